@@ -1,0 +1,33 @@
+# Two entry points, each doing its own set-up in a virtual environment:
+#   make demo   train a small diffusion model on the embedded Fashion-MNIST data, write samples and the metric
+#   make test   run the default test suite (make test-slow adds the long tests)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+OUTPUT_DIR ?= outputs/demo
+
+.PHONY: setup demo test test-slow lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/python examples/demo.py --output_dir $(OUTPUT_DIR)
+
+test: setup
+	$(BIN)/python -m pytest -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache
