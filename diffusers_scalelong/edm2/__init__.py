@@ -1,0 +1,1 @@
+"""edm2 subpackage."""
