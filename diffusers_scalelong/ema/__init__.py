@@ -1,1 +1,38 @@
-"""ema subpackage."""
+"""Post-hoc EMA (EDM2): power-function EMA tracking, snapshot files and reconstruction of any EMA length.
+
+Typical use::
+
+    ema = PowerFunctionEMA(model, sigma_rels=(0.05, 0.10))
+    for step in range(1, num_steps + 1):
+        ...  # optimizer step
+        ema.update(model, step)
+        if step % 1000 == 0:
+            ema.save_snapshots("phema", accelerator=accelerator)
+    models = reconstruct_ema("phema", target_sigma_rels=[0.07, 0.12])
+
+Snapshot file format and naming: see ``diffusers_scalelong.ema.snapshots``.
+"""
+
+from .profiles import (
+    MAX_SIGMA_REL,
+    gamma_to_sigma_rel,
+    profile_inner_products,
+    sigma_rel_to_gamma,
+    solve_profile_coefficients,
+)
+from .snapshots import SnapshotInfo, list_snapshots, read_snapshot_info, snapshot_filename
+from .tracker import PowerFunctionEMA, unwrap_model
+
+__all__ = [
+    "MAX_SIGMA_REL",
+    "PowerFunctionEMA",
+    "SnapshotInfo",
+    "gamma_to_sigma_rel",
+    "list_snapshots",
+    "profile_inner_products",
+    "read_snapshot_info",
+    "sigma_rel_to_gamma",
+    "snapshot_filename",
+    "solve_profile_coefficients",
+    "unwrap_model",
+]
