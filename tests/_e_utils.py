@@ -70,3 +70,22 @@ def run_scheduler(scheduler, network, x_start: torch.Tensor, num_steps: int, gen
         out = network(scheduler.scale_model_input(x, t), t)
         x = scheduler.step(out, t, x, generator=generator).prev_sample
     return x
+
+
+def tiny_unet(num_class_embeds: int | None = None, in_channels: int = 1, sample_size: int = 8, seed: int = 0):
+    """A small diffusers UNet2DModel used as the raw F network (positional embedding of the c_noise timestep)."""
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(seed)
+    return UNet2DModel(
+        sample_size=sample_size,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        layers_per_block=1,
+        norm_num_groups=4,
+        time_embedding_type="positional",
+        num_class_embeds=num_class_embeds,
+    ).eval()

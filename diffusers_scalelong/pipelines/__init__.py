@@ -1,1 +1,20 @@
-"""pipelines subpackage."""
+"""Pipelines: EDM2Pipeline and the Hub-native folder layout.
+
+``DiffusionPipeline.from_pretrained(folder)`` looks a pipeline's ``_class_name`` up on the ``diffusers`` module, so
+importing this package also makes ``diffusers.EDM2Pipeline`` available (unless diffusers defines one itself).
+"""
+
+import diffusers
+from diffusers import DiffusionPipeline  # noqa: F401  (base class, for diffusers' loader)
+
+from .edm2_pipeline import (
+    EDM2_SD_VAE_LATENTS_MEAN,
+    EDM2_SD_VAE_LATENTS_STD,
+    EDM2Pipeline,
+    set_edm2_latent_scaling,
+)
+
+if not hasattr(diffusers, "EDM2Pipeline"):
+    diffusers.EDM2Pipeline = EDM2Pipeline
+
+__all__ = ["EDM2Pipeline", "EDM2_SD_VAE_LATENTS_MEAN", "EDM2_SD_VAE_LATENTS_STD", "set_edm2_latent_scaling"]

@@ -1,0 +1,273 @@
+"""EDM2Pipeline: sampling with an EDM-preconditioned network F and any of the EDM schedulers.
+
+The network is the raw F of EDM/EDM2 (``EDM2UNet2DModel``, or any UNet whose timestep input is
+``c_noise = ln(sigma)/4``); the scheduler applies the preconditioning ``D = c_skip x + c_out F(c_in x, c_noise)``.
+Guidance with a second network: ``D_w = D_g + w (D - D_g)``. Both denoisers share ``c_skip x`` and ``c_out``, so this
+equals preconditioning ``F_w = F_g + w (F - F_g)``, which is what the pipeline passes to the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DiffusionPipeline,
+    EDMDPMSolverMultistepScheduler,
+    EDMEulerScheduler,
+    ImagePipelineOutput,
+    ModelMixin,
+)
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.utils.torch_utils import randn_tensor
+
+from ..schedulers import EDMHeunScheduler
+
+EDM_SCHEDULERS = (EDMHeunScheduler, EDMEulerScheduler, EDMDPMSolverMultistepScheduler)
+
+# EDM2's per-channel statistics of Stable Diffusion VAE (ft-mse) latents; normalised latents are
+# ``(z - mean) * 0.5 / std``, stored as AutoencoderKL's ``latents_mean``, ``latents_std`` and ``scaling_factor``.
+EDM2_SD_VAE_LATENTS_MEAN = (5.81, 3.25, 0.12, -2.15)
+EDM2_SD_VAE_LATENTS_STD = (4.17, 4.62, 3.71, 3.28)
+EDM2_LATENTS_FINAL_STD = 0.5
+
+
+def set_edm2_latent_scaling(
+    vae: AutoencoderKL,
+    latents_mean: Sequence[float] = EDM2_SD_VAE_LATENTS_MEAN,
+    latents_std: Sequence[float] = EDM2_SD_VAE_LATENTS_STD,
+    final_std: float = EDM2_LATENTS_FINAL_STD,
+) -> AutoencoderKL:
+    """Store EDM2's per-channel latent scaling in the VAE's config (saved with it).
+
+    EDM2 normalises VAE latents channel-wise: ``x = (z - mean) * scale`` with ``scale = final_std / std``, i.e.
+    per-channel scale ``final_std / std`` and bias ``-mean * final_std / std``.
+    """
+    channels = vae.config.latent_channels
+    if len(latents_mean) != channels or len(latents_std) != channels:
+        raise ValueError(
+            f"latents_mean and latents_std need {channels} values (the VAE's latent_channels), "
+            f"got {len(latents_mean)} and {len(latents_std)}"
+        )
+    vae.register_to_config(
+        latents_mean=[float(v) for v in latents_mean],
+        latents_std=[float(v) for v in latents_std],
+        scaling_factor=float(final_std),
+    )
+    return vae
+
+
+class EDM2Pipeline(DiffusionPipeline):
+    """Unconditional or class-conditional image generation with EDM/EDM2 networks.
+
+    Args:
+        unet: the raw network F, called as ``unet(c_in x, c_noise, class_labels=...)``; class-conditional when
+            ``unet.config.num_class_embeds`` is set.
+        scheduler: `EDMHeunScheduler` (EDM's sampler), `EDMEulerScheduler` or `EDMDPMSolverMultistepScheduler`.
+        vae: optional `AutoencoderKL` for latent models. Latents are decoded with the per-channel scaling in the
+            VAE's config: ``z = x * latents_std / scaling_factor + latents_mean`` (see `set_edm2_latent_scaling`),
+            or ``z = x / scaling_factor`` when the VAE has no per-channel statistics.
+        guide_unet: optional guiding network for ``D_g + w (D - D_g)``: an unconditional network
+            (``num_class_embeds`` unset: classifier-free guidance) or a smaller / less-trained version of `unet`
+            (autoguidance).
+    """
+
+    model_cpu_offload_seq = "guide_unet->unet->vae"
+    _optional_components = ["vae", "guide_unet"]
+    _callback_tensor_inputs = ["latents"]
+
+    def __init__(
+        self,
+        unet: ModelMixin,
+        scheduler: EDMHeunScheduler | EDMEulerScheduler | EDMDPMSolverMultistepScheduler,
+        vae: AutoencoderKL | None = None,
+        guide_unet: ModelMixin | None = None,
+    ) -> None:
+        super().__init__()
+        self._check_components(unet, scheduler, vae, guide_unet)
+        self.register_modules(unet=unet, scheduler=scheduler, vae=vae, guide_unet=guide_unet)
+        vae_scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
+        self.image_processor = VaeImageProcessor(vae_scale_factor=vae_scale, do_normalize=True)
+
+    @staticmethod
+    def _check_components(unet, scheduler, vae, guide_unet) -> None:
+        if not isinstance(scheduler, EDM_SCHEDULERS):
+            names = ", ".join(cls.__name__ for cls in EDM_SCHEDULERS)
+            raise ValueError(
+                f"scheduler must be an EDM-family scheduler ({names}) whose timesteps are c_noise values and which "
+                f"applies the EDM preconditioning; got {type(scheduler).__name__}. Convert a compatible config with "
+                "EDMHeunScheduler.from_config(scheduler.config)."
+            )
+        out_channels = getattr(unet.config, "out_channels", None) or unet.config.in_channels
+        if out_channels != unet.config.in_channels:
+            raise ValueError(
+                f"unet must map a sample to the same channels (F-prediction), got in_channels="
+                f"{unet.config.in_channels}, out_channels={out_channels}"
+            )
+        if vae is not None:
+            channels = vae.config.latent_channels
+            if channels != unet.config.in_channels:
+                raise ValueError(
+                    f"the VAE's latent_channels ({channels}) do not match the unet's in_channels "
+                    f"({unet.config.in_channels})"
+                )
+            for key in ("latents_mean", "latents_std"):
+                values = getattr(vae.config, key, None)
+                if values is not None and len(values) != channels:
+                    raise ValueError(f"vae.config.{key} has {len(values)} values, the VAE has {channels} channels")
+        if guide_unet is not None:
+            for key in ("in_channels", "out_channels", "sample_size"):
+                if getattr(guide_unet.config, key) != getattr(unet.config, key):
+                    raise ValueError(
+                        f"guide_unet.config.{key} ({getattr(guide_unet.config, key)}) differs from "
+                        f"unet.config.{key} ({getattr(unet.config, key)})"
+                    )
+
+    @property
+    def num_classes(self) -> int | None:
+        """Number of classes of a class-conditional `unet`, None when it is unconditional."""
+        return getattr(self.unet.config, "num_class_embeds", None)
+
+    @property
+    def num_timesteps(self) -> int:
+        """Network evaluations of the last call (entries of the scheduler's `timesteps`)."""
+        return self._num_timesteps
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare_class_labels(self, class_labels, batch_size: int | None, device) -> tuple[torch.Tensor | None, int]:
+        num_classes = self.num_classes
+        if num_classes is None:
+            if class_labels is not None:
+                raise ValueError("class_labels were given, but the unet is unconditional (num_class_embeds is None)")
+            return None, 1 if batch_size is None else batch_size
+        if class_labels is None:
+            raise ValueError(
+                f"the unet is class-conditional with {num_classes} classes: pass class_labels "
+                "(an int or one label per image)"
+            )
+        labels = torch.as_tensor(class_labels).reshape(-1)
+        if torch.is_floating_point(labels) or labels.dtype == torch.bool:
+            raise ValueError(f"class_labels must be integers, got dtype {labels.dtype}")
+        if labels.numel() == 1:
+            labels = labels.expand(1 if batch_size is None else batch_size)
+        elif batch_size is not None and labels.numel() != batch_size:
+            raise ValueError(f"got {labels.numel()} class_labels for batch_size={batch_size}")
+        if labels.min() < 0 or labels.max() >= num_classes:
+            raise ValueError(f"class_labels must lie in [0, {num_classes - 1}], got {labels.tolist()}")
+        return labels.to(device=device, dtype=torch.long), labels.numel()
+
+    def _latent_shape(self, batch_size: int) -> tuple[int, ...]:
+        size = self.unet.config.sample_size
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        return (batch_size, self.unet.config.in_channels, height, width)
+
+    def _network_output(self, unet, model_input, timestep, class_labels) -> torch.Tensor:
+        conditional = getattr(unet.config, "num_class_embeds", None) is not None
+        kwargs = {"class_labels": class_labels} if conditional else {}
+        t = timestep.to(device=model_input.device, dtype=torch.float32).expand(model_input.shape[0])
+        return unet(model_input.to(unet.dtype), t, **kwargs).sample.to(torch.float32)
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] from normalised latents (``z = x * std / scaling_factor + mean``)."""
+        config = self.vae.config
+        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
+            shape = (1, -1, 1, 1)
+            mean = torch.tensor(config.latents_mean, device=latents.device).reshape(shape)
+            std = torch.tensor(config.latents_std, device=latents.device).reshape(shape)
+            z = latents * std / config.scaling_factor + mean
+        else:
+            z = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+        return self.vae.decode(z.to(self.vae.dtype)).sample
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def __call__(
+        self,
+        batch_size: int | None = None,
+        class_labels: int | Sequence[int] | torch.Tensor | None = None,
+        num_inference_steps: int = 32,
+        guidance_scale: float = 1.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end: Callable[[DiffusionPipeline, int, torch.Tensor, dict], dict] | None = None,
+        callback_on_step_end_tensor_inputs: list[str] | None = None,
+    ) -> ImagePipelineOutput | tuple:
+        """Generate images.
+
+        Args:
+            batch_size: number of images (default: one per class label, or 1).
+            class_labels: class of each image (an int applies to all); required iff the unet is class-conditional.
+            num_inference_steps: sampler steps N (`EDMHeunScheduler`: 2N - 1 network evaluations; 32 is EDM2's).
+            guidance_scale: w in ``D_g + w (D - D_g)``; values other than 1 need `guide_unet`.
+            generator: random generator(s) for the initial noise and any scheduler noise (a list: one per image).
+            latents: initial noise (unscaled, standard normal) instead of drawing it.
+            output_type: ``"pil"``, ``"np"`` (float in [0, 1], NHWC), ``"pt"`` (float in [0, 1], NCHW) or ``"latent"``.
+            return_dict: return an `ImagePipelineOutput` (True) or a tuple ``(images,)``.
+            callback_on_step_end: ``f(pipeline, i, t, callback_kwargs) -> dict`` called after every scheduler step;
+                returned tensors replace the pipeline's (e.g. ``{"latents": ...}``).
+            callback_on_step_end_tensor_inputs: names passed in ``callback_kwargs`` (subset of ``["latents"]``).
+        """
+        tensor_inputs = (
+            ["latents"] if callback_on_step_end_tensor_inputs is None else callback_on_step_end_tensor_inputs
+        )
+        self._check_call(batch_size, num_inference_steps, guidance_scale, output_type, tensor_inputs)
+        device = self._execution_device
+        labels, batch_size = self._prepare_class_labels(class_labels, batch_size, device)
+        if isinstance(generator, list) and len(generator) != batch_size:
+            raise ValueError(f"got {len(generator)} generators for {batch_size} images")
+
+        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        timesteps = self.scheduler.timesteps
+        shape = self._latent_shape(batch_size)
+        if latents is None:
+            latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
+        elif tuple(latents.shape) != shape:
+            raise ValueError(f"latents must have shape {shape}, got {tuple(latents.shape)}")
+        latents = latents.to(device=device, dtype=torch.float32) * self.scheduler.init_noise_sigma
+
+        use_guide = guidance_scale != 1.0
+        self._num_timesteps = len(timesteps)
+        for i, t in enumerate(self.progress_bar(timesteps)):
+            model_input = self.scheduler.scale_model_input(latents, t)
+            output = self._network_output(self.unet, model_input, t, labels)
+            if use_guide:
+                guide = self._network_output(self.guide_unet, model_input, t, labels)
+                output = guide + guidance_scale * (output - guide)
+            latents = self.scheduler.step(output, t, latents, generator=generator).prev_sample.to(torch.float32)
+            if callback_on_step_end is not None:
+                available = {"latents": latents}
+                callback_kwargs = {name: available[name] for name in tensor_inputs}
+                callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
+                latents = callback_outputs.pop("latents", latents)
+
+        if output_type == "latent":
+            images = latents
+        else:
+            images = self.decode_latents(latents) if self.vae is not None else latents
+            images = self.image_processor.postprocess(images.float(), output_type=output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (images,)
+        return ImagePipelineOutput(images=images)
+
+    def _check_call(self, batch_size, num_inference_steps, guidance_scale, output_type, tensor_inputs) -> None:
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive integer, got {num_inference_steps!r}")
+        if guidance_scale != 1.0 and self.guide_unet is None:
+            raise ValueError(
+                f"guidance_scale={guidance_scale} needs a guide network: load the pipeline with guide_unet= "
+                "(an unconditional network for classifier-free guidance, or a smaller/less-trained one for "
+                "autoguidance), or use guidance_scale=1.0"
+            )
+        if output_type not in ("pil", "np", "pt", "latent"):
+            raise ValueError(f"output_type must be 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
+        unknown = [name for name in tensor_inputs if name not in self._callback_tensor_inputs]
+        if unknown:
+            raise ValueError(
+                f"callback_on_step_end_tensor_inputs {unknown} are not available; choose from {self._callback_tensor_inputs}"
+            )
