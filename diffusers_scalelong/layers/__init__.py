@@ -1,1 +1,5 @@
-"""layers subpackage."""
+"""Magnitude-preserving layers (EDM2) usable in any torch / diffusers model."""
+
+from .mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, pixel_norm, resample
+
+__all__ = ["Block", "MPConv", "MPFourier", "mp_cat", "mp_silu", "mp_sum", "normalize", "pixel_norm", "resample"]

@@ -1,0 +1,120 @@
+"""EDM preconditioning ``D(x; sigma) = c_skip x + c_out F(c_in x, c_noise)`` around a raw network F.
+
+The c-functions are those of diffusers' EDM schedulers (``EDMEulerScheduler.precondition_inputs`` /
+``precondition_noise`` / ``precondition_outputs`` with ``prediction_type="epsilon"``), so a network trained
+through this wrapper samples with those schedulers unchanged:
+
+    c_in = 1 / sqrt(sigma^2 + sd^2),  c_noise = ln(sigma) / 4,
+    c_skip = sd^2 / (sigma^2 + sd^2),  c_out = sigma sd / sqrt(sigma^2 + sd^2).
+"""
+
+import json
+import os
+import tempfile
+from functools import lru_cache
+
+import torch
+from diffusers import EDMEulerScheduler
+from torch import nn
+
+from ..models.edm2_unet import EDM2UNet2DModel
+from .uncertainty import LearnedUncertainty
+
+__all__ = ["EDMPreconditioner", "edm_precondition"]
+
+PRECONDITIONER_CONFIG = "preconditioner_config.json"
+
+
+@lru_cache(maxsize=8)
+def _edm_scheduler(sigma_data: float) -> EDMEulerScheduler:
+    """The diffusers scheduler whose ``precondition_*`` helpers define the c-functions (stateless for them)."""
+    return EDMEulerScheduler(sigma_data=sigma_data, prediction_type="epsilon")
+
+
+def _sigma_tensor(sigma: torch.Tensor | float, sample: torch.Tensor) -> torch.Tensor:
+    """``sigma`` as float32 [B or 1, 1, 1, 1] on the sample's device."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=sample.device).reshape(-1, 1, 1, 1)
+    if sigma.shape[0] not in (1, sample.shape[0]):
+        raise ValueError(f"sigma has {sigma.shape[0]} values for a batch of {sample.shape[0]}")
+    return sigma
+
+
+def edm_precondition(
+    model: nn.Module,
+    sample: torch.Tensor,
+    sigma: torch.Tensor | float,
+    class_labels: torch.Tensor | None = None,
+    sigma_data: float = 0.5,
+) -> torch.Tensor:
+    """Denoised estimate ``D(x; sigma) = c_skip x + c_out F(c_in x, c_noise, class_labels)``, in float32.
+
+    ``model`` is a raw network called as ``model(c_in x, c_noise, class_labels=...)`` returning ``.sample`` or a
+    tensor (e.g. :class:`EDM2UNet2DModel`); its input is cast to the dtype of ``sample``.
+    """
+    scheduler = _edm_scheduler(float(sigma_data))
+    x = sample.to(torch.float32)
+    sigma = _sigma_tensor(sigma, sample)
+    model_input = scheduler.precondition_inputs(x, sigma).to(sample.dtype)
+    c_noise = scheduler.precondition_noise(sigma.flatten())
+    kwargs = {} if class_labels is None else {"class_labels": class_labels}
+    output = model(model_input, c_noise, **kwargs)
+    output = output.sample if hasattr(output, "sample") else output
+    return scheduler.precondition_outputs(x, output.to(torch.float32), sigma)
+
+
+class EDMPreconditioner(nn.Module):
+    """The EDM2 denoiser: a raw UNet ``F`` with EDM preconditioning and an optional learned uncertainty ``u``.
+
+    ``forward(x, sigma, class_labels)`` returns ``D(x; sigma)`` (float32), and with ``return_logvar=True`` also
+    ``u(sigma)`` of shape [B, 1, 1, 1]. ``save_pretrained(dir)`` writes ``unet/``, ``uncertainty/`` and
+    ``preconditioner_config.json``; ``from_pretrained(dir)`` reads them back.
+    """
+
+    def __init__(self, unet: nn.Module, uncertainty: LearnedUncertainty | None = None, sigma_data: float = 0.5) -> None:
+        super().__init__()
+        if not sigma_data > 0:
+            raise ValueError(f"sigma_data must be positive, got {sigma_data}")
+        self.unet = unet
+        self.uncertainty = uncertainty
+        self.sigma_data = float(sigma_data)
+
+    def forward(
+        self,
+        sample: torch.Tensor,
+        sigma: torch.Tensor | float,
+        class_labels: torch.Tensor | None = None,
+        return_logvar: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        denoised = edm_precondition(self.unet, sample, sigma, class_labels, self.sigma_data)
+        if not return_logvar:
+            return denoised
+        sigma = _sigma_tensor(sigma, sample).expand(sample.shape[0], 1, 1, 1)
+        if self.uncertainty is None:
+            return denoised, torch.zeros_like(sigma)
+        return denoised, self.uncertainty(_edm_scheduler(self.sigma_data).precondition_noise(sigma.flatten()))
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """Save the UNet and the uncertainty head as diffusers models, plus ``sigma_data``."""
+        os.makedirs(save_directory, exist_ok=True)
+        self.unet.save_pretrained(os.path.join(save_directory, "unet"), **kwargs)
+        if self.uncertainty is not None:
+            self.uncertainty.save_pretrained(os.path.join(save_directory, "uncertainty"), **kwargs)
+        config = {"sigma_data": self.sigma_data, "unet_class": type(self.unet).__name__}
+        with tempfile.NamedTemporaryFile("w", dir=save_directory, suffix=".tmp", delete=False) as handle:
+            json.dump(config, handle, indent=2)
+        os.replace(handle.name, os.path.join(save_directory, PRECONDITIONER_CONFIG))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, **kwargs) -> "EDMPreconditioner":
+        """Load what :meth:`save_pretrained` wrote (an :class:`EDM2UNet2DModel`); ``kwargs`` go to both loaders."""
+        config_path = os.path.join(directory, PRECONDITIONER_CONFIG)
+        if not os.path.isfile(config_path):
+            raise ValueError(f"{config_path} not found: not a folder written by EDMPreconditioner.save_pretrained")
+        with open(config_path) as handle:
+            config = json.load(handle)
+        unet = EDM2UNet2DModel.from_pretrained(os.path.join(directory, "unet"), **kwargs)
+        uncertainty_dir = os.path.join(directory, "uncertainty")
+        uncertainty = (
+            LearnedUncertainty.from_pretrained(uncertainty_dir, **kwargs) if os.path.isdir(uncertainty_dir) else None
+        )
+        return cls(unet, uncertainty, sigma_data=config["sigma_data"])

@@ -1,0 +1,222 @@
+"""Magnitude-preserving (MP) layers of EDM2 (Karras et al., arXiv 2312.02696), NCHW tensors.
+
+Every primitive keeps unit-variance, uncorrelated inputs at unit RMS output, so that activation
+magnitudes neither grow nor shrink through a deep network. The functions and modules are independent
+of the EDM2 UNet and can be used in any ``torch.nn.Module``.
+"""
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MP_SILU_SCALE = 0.596
+"""RMS of silu(z) for z ~ N(0, 1) (0.5955...), the divisor of :func:`mp_silu`."""
+
+
+def normalize(x: torch.Tensor, dim: int | tuple[int, ...] | None = None, eps: float = 1e-4) -> torch.Tensor:
+    """Scale every slice of ``x`` to unit RMS: ``x / (eps + ||x|| * sqrt(n_norm / n_x))``.
+
+    The L2 norm is taken over ``dim`` (default: all dims but 0), in fp32; ``n_norm / n_x`` is
+    1 / (number of elements per slice), so ``||x|| * sqrt(n_norm / n_x)`` is the slice's RMS.
+    For a weight [O, I, k, k] each output row ``w_o`` becomes ``w_o / (eps + ||w_o|| / sqrt(I k k))``.
+    """
+    if dim is None:
+        dim = tuple(range(1, x.ndim))
+    norm = torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=torch.float32)
+    norm = torch.add(eps, norm, alpha=math.sqrt(norm.numel() / x.numel()))
+    return x / norm.to(x.dtype)
+
+
+def pixel_norm(x: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """Unit RMS over channels at every pixel: ``normalize(x, dim=1)``."""
+    return normalize(x, dim=1, eps=eps)
+
+
+def mp_silu(x: torch.Tensor) -> torch.Tensor:
+    """Magnitude-preserving SiLU: ``silu(x) / 0.596`` (paper Eq. 81)."""
+    return F.silu(x) / MP_SILU_SCALE
+
+
+def mp_sum(a: torch.Tensor, b: torch.Tensor, t: float = 0.5) -> torch.Tensor:
+    """Magnitude-preserving weighted sum (Eq. 88): ``((1 - t) a + t b) / sqrt((1 - t)^2 + t^2)``.
+
+    ``t`` is the weight of the *second* argument; for uncorrelated unit-RMS ``a`` and ``b`` the output has unit RMS.
+    """
+    return ((1 - t) * a + t * b) / math.sqrt((1 - t) ** 2 + t**2)
+
+
+def mp_cat(a: torch.Tensor, b: torch.Tensor, dim: int = 1, t: float = 0.5) -> torch.Tensor:
+    """Magnitude-preserving concatenation (Eq. 103) of ``a`` (Na channels) and ``b`` (Nb channels).
+
+    ``C = sqrt((Na + Nb) / ((1 - t)^2 + t^2))``; output ``cat([C (1 - t) / sqrt(Na) a, C t / sqrt(Nb) b])``.
+    Each part contributes in proportion to its weight, independent of its channel count; unit-RMS
+    inputs give a unit-RMS output.
+    """
+    na, nb = a.shape[dim], b.shape[dim]
+    c = math.sqrt((na + nb) / ((1 - t) ** 2 + t**2))
+    wa = c / math.sqrt(na) * (1 - t)
+    wb = c / math.sqrt(nb) * t
+    return torch.cat([wa * a, wb * b], dim=dim)
+
+
+def resample(x: torch.Tensor, mode: Literal["keep", "down", "up"] = "keep") -> torch.Tensor:
+    """Box-filter 2x down-sampling (2x2 average pooling), nearest-neighbour 2x up-sampling, or identity."""
+    if mode == "keep":
+        return x
+    if mode == "down":
+        return F.avg_pool2d(x, kernel_size=2, stride=2)
+    if mode == "up":
+        return F.interpolate(x, scale_factor=2, mode="nearest")
+    raise ValueError(f"resample mode must be 'keep', 'down' or 'up', got {mode!r}")
+
+
+class MPFourier(nn.Module):
+    """Magnitude-preserving Fourier features (Eq. 75): ``y = sqrt(2) cos(2 pi (x f + p))``, computed in fp32.
+
+    Frequencies ``f ~ N(0, bandwidth^2)`` and phases ``p ~ U(0, 1)`` are fixed buffers (stored pre-multiplied by
+    2 pi); for any x the features have unit RMS over the channels in expectation.
+    """
+
+    def __init__(self, num_channels: int, bandwidth: float = 1.0):
+        super().__init__()
+        self.register_buffer("freqs", 2 * math.pi * torch.randn(num_channels) * bandwidth)
+        self.register_buffer("phases", 2 * math.pi * torch.rand(num_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.outer(x.to(torch.float32).flatten(), self.freqs.to(torch.float32))
+        y = y + self.phases.to(torch.float32)
+        return (y.cos() * math.sqrt(2)).to(x.dtype)
+
+
+class MPConv(nn.Module):
+    """Magnitude-preserving convolution (``kernel=(k, k)``) or linear layer (``kernel=()``), no bias (Eq. 47/66).
+
+    ``forward(x, gain)`` uses the weight ``gain * normalize(w) / sqrt(fan_in)``, so unit-RMS inputs give unit-RMS
+    outputs (for ``gain = 1``) whatever the stored weight's scale. The normalisation is differentiable and runs in
+    every forward, so averaged (EMA) weights are re-normalised as well.
+
+    Forced weight normalisation: in training mode, before that, the *stored* weight is projected (under
+    ``no_grad``) onto unit-RMS rows, ``w_o <- w_o / rms(w_o)``. The projection has no ``eps`` and is therefore
+    idempotent: recomputing a forward (gradient checkpointing) leaves the stored weight as it is, and several
+    training-mode forwards may precede one backward. In eval mode the stored weight is never modified - keep EMA
+    copies in eval mode.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel: tuple[int, ...] = ()):
+        super().__init__()
+        if len(kernel) not in (0, 2):
+            raise ValueError(f"kernel must be () for a linear layer or (k, k) for a convolution, got {kernel!r}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.weight = nn.Parameter(torch.randn(out_channels, in_channels, *kernel))
+
+    @torch.no_grad()
+    def force_weight_normalization(self) -> None:
+        """Project the stored weight onto unit-RMS output rows (the forced weight normalisation)."""
+        w = self.weight.to(torch.float32)
+        dims = tuple(range(1, w.ndim))
+        rms = torch.linalg.vector_norm(w, dim=dims, keepdim=True) / math.sqrt(w[0].numel())
+        self.weight.copy_(w / rms.clamp_min(torch.finfo(torch.float32).tiny))
+
+    def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1.0) -> torch.Tensor:
+        if self.training:
+            self.force_weight_normalization()
+        # A copy, so that a later training-mode forward (which projects the stored weight in place) does not
+        # invalidate what this forward saved for backward.
+        w = normalize(self.weight.to(torch.float32, copy=True))
+        w = (w * (gain / math.sqrt(w[0].numel()))).to(x.dtype)
+        if w.ndim == 2:
+            return x @ w.t()
+        return F.conv2d(x, w, padding=w.shape[-1] // 2)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, kernel={tuple(self.weight.shape[2:])}"
+
+
+class Block(nn.Module):
+    """EDM2 UNet block ("config G"), encoder (``flavor='enc'``) or decoder (``'dec'``) flavour.
+
+    Forward, with ``emb`` the (already mp_silu-activated) embedding::
+
+        x = resample(x)
+        enc: x = pixel_norm(conv_shortcut(x))              # 1x1 only when the width changes
+        y = conv1(mp_silu(x))
+        y = mp_silu(y * (emb_proj(emb, gain=emb_gain) + 1)) # emb_gain initialised to 0
+        y = conv2(dropout(y))
+        dec: x = conv_shortcut(x)
+        x = mp_sum(x, y, t=res_balance)
+        attention (cosine): q, k, v = pixel_norm per head of to_qkv(x); y = to_out(softmax(q^T k / sqrt(d)) v)
+                            x = mp_sum(x, y, t=attn_balance)
+        x = clip(x, -clip_act, clip_act)
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        emb_channels: int,
+        flavor: Literal["enc", "dec"] = "enc",
+        resample_mode: Literal["keep", "up", "down"] = "keep",
+        attention: bool = False,
+        channels_per_head: int = 64,
+        dropout: float = 0.0,
+        res_balance: float = 0.3,
+        attn_balance: float = 0.3,
+        clip_act: float | None = 256,
+    ):
+        super().__init__()
+        if flavor not in ("enc", "dec"):
+            raise ValueError(f"flavor must be 'enc' or 'dec', got {flavor!r}")
+        if resample_mode not in ("keep", "up", "down"):
+            raise ValueError(f"resample_mode must be 'keep', 'up' or 'down', got {resample_mode!r}")
+        if attention and out_channels % channels_per_head != 0:
+            raise ValueError(f"out_channels={out_channels} is not divisible by channels_per_head={channels_per_head}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.flavor = flavor
+        self.resample_mode = resample_mode
+        self.num_heads = out_channels // channels_per_head if attention else 0
+        self.dropout = dropout
+        self.res_balance = res_balance
+        self.attn_balance = attn_balance
+        self.clip_act = clip_act
+        self.emb_gain = nn.Parameter(torch.zeros([]))
+        self.conv1 = MPConv(out_channels if flavor == "enc" else in_channels, out_channels, kernel=(3, 3))
+        self.emb_proj = MPConv(emb_channels, out_channels)
+        self.conv2 = MPConv(out_channels, out_channels, kernel=(3, 3))
+        self.conv_shortcut = MPConv(in_channels, out_channels, kernel=(1, 1)) if in_channels != out_channels else None
+        self.to_qkv = MPConv(out_channels, out_channels * 3, kernel=(1, 1)) if self.num_heads else None
+        self.to_out = MPConv(out_channels, out_channels, kernel=(1, 1)) if self.num_heads else None
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """Cosine self-attention; ``to_qkv`` channels are laid out as [head, channel, (q, k, v)]."""
+        n, c, h, w = x.shape
+        qkv = self.to_qkv(x).reshape(n, self.num_heads, c // self.num_heads, 3, h * w)
+        q, k, v = normalize(qkv, dim=2).unbind(3)
+        scores = torch.einsum("nhcq,nhck->nhqk", q, k / math.sqrt(q.shape[2])).softmax(dim=3)
+        y = torch.einsum("nhqk,nhck->nhcq", scores, v)
+        return self.to_out(y.reshape(n, c, h, w))
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        x = resample(x, self.resample_mode)
+        if self.flavor == "enc":
+            if self.conv_shortcut is not None:
+                x = self.conv_shortcut(x)
+            x = pixel_norm(x)
+        y = self.conv1(mp_silu(x))
+        scale = self.emb_proj(emb, gain=self.emb_gain) + 1
+        y = mp_silu(y * scale[:, :, None, None].to(y.dtype))
+        if self.training and self.dropout != 0:
+            y = F.dropout(y, p=self.dropout)
+        y = self.conv2(y)
+        if self.flavor == "dec" and self.conv_shortcut is not None:
+            x = self.conv_shortcut(x)
+        x = mp_sum(x, y, t=self.res_balance)
+        if self.num_heads:
+            x = mp_sum(x, self.attention(x), t=self.attn_balance)
+        if self.clip_act is not None:
+            x = x.clamp(-self.clip_act, self.clip_act)
+        return x

@@ -1,0 +1,334 @@
+"""The EDM2 UNet ("config G" of Karras et al., arXiv 2312.02696) as a diffusers model.
+
+``EDM2UNet2DModel`` is the *raw* network ``F(c_in x, c_noise, class_labels)``. Its ``timestep`` input is
+``c_noise = ln(sigma) / 4`` - the values diffusers' ``EDMEulerScheduler`` / ``EDMDPMSolverMultistepScheduler``
+store in ``scheduler.timesteps`` - so the model works with those schedulers unchanged (there
+``prediction_type="epsilon"`` means "F-prediction": ``D = c_skip x + c_out F``). For training with the EDM2 loss,
+wrap it in :class:`diffusers_scalelong.edm2.EDMPreconditioner`.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.unets.unet_2d import UNet2DOutput
+from torch import nn
+
+from ..layers.mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
+from ..scalelong.coefficients import LEARNABLE_METHODS, lsc_coefficients, validate_lsc_options
+
+__all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel", "scaled_concat_balance"]
+
+
+@dataclass(frozen=True)
+class EDM2Preset:
+    """One of the paper's configurations: network width and dropout plus its training recipe."""
+
+    model_channels: int
+    dropout: float
+    ref_lr: float
+    t_ref: int
+    P_mean: float
+    P_std: float
+    sample_size: int = 64
+    in_channels: int = 4
+    num_class_embeds: int = 1000
+    batch_size: int = 2048
+    warmup_images: int = 10_000_000
+
+
+def _img512(channels: int, dropout: float, ref_lr: float) -> EDM2Preset:
+    """ImageNet-512 presets work on SD-VAE latents: 64x64x4, 1000 classes."""
+    return EDM2Preset(channels, dropout, ref_lr, t_ref=70_000, P_mean=-0.4, P_std=1.0)
+
+
+def _img64(channels: int, dropout: float, ref_lr: float) -> EDM2Preset:
+    """ImageNet-64 presets work on pixels: 64x64x3, 1000 classes (the paper trains S, M, L and XL)."""
+    return EDM2Preset(channels, dropout, ref_lr, t_ref=35_000, P_mean=-0.8, P_std=1.6, in_channels=3)
+
+
+_SIZES = {  # size: (model_channels, dropout, ref_lr)
+    "XS": (128, 0.0, 0.0120),
+    "S": (192, 0.0, 0.0100),
+    "M": (256, 0.1, 0.0090),
+    "L": (320, 0.1, 0.0080),
+    "XL": (384, 0.1, 0.0070),
+    "XXL": (448, 0.1, 0.0065),
+}
+EDM2_PRESETS: dict[str, dict[str, EDM2Preset]] = {
+    "img512": {size: _img512(*values) for size, values in _SIZES.items()},
+    "img64": {size: _img64(*values) for size, values in _SIZES.items()},
+}
+"""``EDM2_PRESETS[dataset][size]``; img64 XS and XXL use the same widths but were not trained in the paper."""
+
+
+def scaled_concat_balance(t: float, kappa: float) -> float:
+    """Concat balance of ``mp_cat(x, skip, t)`` after multiplying the skip's weight by the LSC coefficient ``kappa``.
+
+    ``mp_cat`` weights the main path by ``(1 - t)`` and the skip by ``t`` and then rescales the result to unit
+    magnitude, so the weights matter only through their ratio. Scaling the skip's weight to ``kappa t`` therefore
+    equals the balance ``t' = kappa t / ((1 - t) + kappa t)``: the skip's contribution relative to the main path
+    shrinks by ``kappa`` while the output keeps unit RMS. ``kappa = 1`` returns ``t`` itself.
+    """
+    if kappa == 1.0:
+        return t
+    return kappa * t / ((1 - t) + kappa * t)
+
+
+class EDM2UNet2DModel(ModelMixin, ConfigMixin):
+    """EDM2 magnitude-preserving UNet, the raw network ``F(c_in x, c_noise, class_labels) -> UNet2DOutput``.
+
+    Args:
+        sample_size: input height and width; must be divisible by ``2 ** (len(channel_mult) - 1)``.
+        in_channels / out_channels: image (latent) channels; ``out_channels`` defaults to ``in_channels``.
+        model_channels, channel_mult: widths of the resolution levels are ``model_channels * channel_mult[i]``.
+        channel_mult_noise / channel_mult_emb: width of the Fourier noise features / of the embedding as a multiple
+            of ``model_channels`` (default: the first level's width / the largest width).
+        layers_per_block: blocks per encoder level (decoder levels have one more).
+        attention_resolutions: resolutions whose blocks use self-attention (the innermost decoder block always does).
+        num_class_embeds: number of classes of a class-conditional model; ``None`` or 0: unconditional.
+        dropout: dropout inside the residual branch (training only).
+        label_balance, concat_balance, res_balance, attn_balance: ``t`` of the mp_sum / mp_cat joining the label
+            embedding, the long skips, the residual branch and the attention branch.
+        channels_per_head: attention head width; clip_act: activations are clipped to [-clip_act, clip_act].
+        lsc_method, lsc_kappa: ScaleLong long-skip scaling; the coefficient of skip i re-weights the skip inside
+            ``mp_cat`` (see :func:`scaled_concat_balance`); ``"none"`` is exactly EDM2.
+    """
+
+    _supports_gradient_checkpointing = True
+
+    @register_to_config
+    def __init__(
+        self,
+        sample_size: int = 64,
+        in_channels: int = 4,
+        out_channels: int | None = None,
+        model_channels: int = 192,
+        channel_mult: tuple[int, ...] = (1, 2, 3, 4),
+        channel_mult_noise: int | None = None,
+        channel_mult_emb: int | None = None,
+        layers_per_block: int = 3,
+        attention_resolutions: tuple[int, ...] = (16, 8),
+        num_class_embeds: int | None = None,
+        dropout: float = 0.0,
+        label_balance: float = 0.5,
+        concat_balance: float = 0.5,
+        res_balance: float = 0.3,
+        attn_balance: float = 0.3,
+        channels_per_head: int = 64,
+        clip_act: float | None = 256,
+        lsc_method: str = "none",
+        lsc_kappa: float = 0.5,
+    ):
+        super().__init__()
+        num_levels = len(channel_mult)
+        if num_levels < 1 or min(channel_mult) < 1 or model_channels < 1:
+            raise ValueError("model_channels and every channel_mult entry must be positive integers")
+        if sample_size % 2 ** (num_levels - 1) != 0:
+            raise ValueError(
+                f"sample_size={sample_size} is not divisible by 2**{num_levels - 1} (the number of down-samplings "
+                f"of channel_mult={list(channel_mult)})"
+            )
+        for name, value in [
+            ("label_balance", label_balance),
+            ("concat_balance", concat_balance),
+            ("res_balance", res_balance),
+            ("attn_balance", attn_balance),
+        ]:
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {value}")
+        validate_lsc_options(lsc_method, lsc_kappa)
+        if lsc_method in LEARNABLE_METHODS:
+            raise ValueError(f"lsc_method={lsc_method!r} (learnable scaling) is not supported by EDM2UNet2DModel")
+
+        out_channels = in_channels if out_channels is None else out_channels
+        widths = [model_channels * m for m in channel_mult]
+        noise_channels = model_channels * channel_mult_noise if channel_mult_noise else widths[0]
+        emb_channels = model_channels * channel_mult_emb if channel_mult_emb else max(widths)
+        block_kwargs = dict(
+            emb_channels=emb_channels,
+            channels_per_head=channels_per_head,
+            dropout=dropout,
+            res_balance=res_balance,
+            attn_balance=attn_balance,
+            clip_act=clip_act,
+        )
+
+        self.noise_fourier = MPFourier(noise_channels)
+        self.noise_embedding = MPConv(noise_channels, emb_channels)
+        self.class_embedding = MPConv(num_class_embeds, emb_channels) if num_class_embeds else None
+
+        # Encoder: level 0 starts with a 3x3 conv (input + a constant ones channel), the others with a down block.
+        self.conv_in = MPConv(in_channels + 1, widths[0], kernel=(3, 3))
+        self.encoder_blocks = nn.ModuleList()
+        skip_widths, skip_levels = [widths[0]], [0]
+        width = widths[0]
+        for level, level_width in enumerate(widths):
+            resolution = sample_size >> level
+            if level > 0:
+                self.encoder_blocks.append(Block(width, width, flavor="enc", resample_mode="down", **block_kwargs))
+                skip_widths.append(width)
+                skip_levels.append(level)
+            for _ in range(layers_per_block):
+                attention = resolution in attention_resolutions
+                self.encoder_blocks.append(Block(width, level_width, flavor="enc", attention=attention, **block_kwargs))
+                width = level_width
+                skip_widths.append(width)
+                skip_levels.append(level)
+
+        # ScaleLong coefficients, outermost skip (the first pushed, the last consumed) first.
+        kappas = lsc_coefficients(lsc_method, len(skip_widths), lsc_kappa, stage_ids=skip_levels)
+        concat_balances = [scaled_concat_balance(concat_balance, kappa) for kappa in kappas]
+
+        # Decoder: the innermost level starts with two blocks (attention in the first), the others with an up block;
+        # each of the layers_per_block + 1 blocks that follow takes one skip through mp_cat.
+        self.decoder_blocks = nn.ModuleList()
+        self._skip_balances: list[float | None] = []
+        for level in reversed(range(num_levels)):
+            resolution = sample_size >> level
+            if level == num_levels - 1:
+                self.decoder_blocks.append(Block(width, width, flavor="dec", attention=True, **block_kwargs))
+                self.decoder_blocks.append(Block(width, width, flavor="dec", **block_kwargs))
+                self._skip_balances += [None, None]
+            else:
+                self.decoder_blocks.append(Block(width, width, flavor="dec", resample_mode="up", **block_kwargs))
+                self._skip_balances.append(None)
+            for _ in range(layers_per_block + 1):
+                attention = resolution in attention_resolutions
+                skip_width = skip_widths.pop()
+                self.decoder_blocks.append(
+                    Block(width + skip_width, widths[level], flavor="dec", attention=attention, **block_kwargs)
+                )
+                self._skip_balances.append(concat_balances[len(skip_widths)])
+                width = widths[level]
+
+        self.conv_out = MPConv(width, out_channels, kernel=(3, 3))
+        self.out_gain = nn.Parameter(torch.zeros([]))
+        self.gradient_checkpointing = False
+
+    @classmethod
+    def from_preset(cls, size: str, dataset: str = "img512", **overrides) -> "EDM2UNet2DModel":
+        """Build the paper's ``size`` (XS, S, M, L, XL, XXL) for ``dataset`` (img512 latents or img64 pixels).
+
+        Keyword ``overrides`` replace config entries (e.g. ``num_class_embeds=None`` for an unconditional model).
+        """
+        preset = cls.get_preset(size, dataset)
+        config = dict(
+            sample_size=preset.sample_size,
+            in_channels=preset.in_channels,
+            model_channels=preset.model_channels,
+            num_class_embeds=preset.num_class_embeds,
+            dropout=preset.dropout,
+        )
+        config.update(overrides)
+        return cls(**config)
+
+    @staticmethod
+    def get_preset(size: str, dataset: str = "img512") -> EDM2Preset:
+        """The :class:`EDM2Preset` (architecture and training recipe) of ``size`` for ``dataset``."""
+        if dataset not in EDM2_PRESETS:
+            raise ValueError(f"unknown EDM2 preset dataset {dataset!r}; choose one of {', '.join(EDM2_PRESETS)}")
+        presets = EDM2_PRESETS[dataset]
+        if not isinstance(size, str) or size.upper() not in presets:
+            raise ValueError(f"unknown EDM2 preset size {size!r}; choose one of {', '.join(presets)}")
+        return presets[size.upper()]
+
+    def _noise_labels(self, timestep: torch.Tensor | float, batch_size: int, device: torch.device) -> torch.Tensor:
+        """``c_noise`` as a float32 vector of length ``batch_size`` (a scalar is broadcast)."""
+        c_noise = torch.as_tensor(timestep, device=device)
+        if not torch.is_floating_point(c_noise):
+            raise ValueError(
+                "timestep must be a float c_noise = ln(sigma) / 4, got an integer tensor; "
+                "use the timesteps of an EDM scheduler"
+            )
+        c_noise = c_noise.to(torch.float32).flatten()
+        if c_noise.numel() == 1:
+            return c_noise.expand(batch_size)
+        if c_noise.numel() != batch_size:
+            raise ValueError(f"timestep has {c_noise.numel()} values for a batch of {batch_size}")
+        return c_noise
+
+    def _one_hot_labels(self, class_labels: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+        """Class labels as a float32 [B, num_class_embeds] matrix, from integer labels [B] or one-hot rows."""
+        num_classes = self.config.num_class_embeds
+        if class_labels is None:
+            raise ValueError(f"this model is class-conditional (num_class_embeds={num_classes}): pass class_labels")
+        if class_labels.shape[0] != batch_size:
+            raise ValueError(f"class_labels has batch size {class_labels.shape[0]}, the sample {batch_size}")
+        if torch.is_floating_point(class_labels):
+            if class_labels.shape != (batch_size, num_classes):
+                raise ValueError(
+                    f"float class_labels must be one-hot rows of shape [{batch_size}, {num_classes}], "
+                    f"got {list(class_labels.shape)}"
+                )
+            return class_labels.to(torch.float32)
+        if class_labels.ndim != 1:
+            raise ValueError(f"integer class_labels must have shape [batch], got {list(class_labels.shape)}")
+        if not torch.compiler.is_compiling() and (
+            class_labels.min().item() < 0 or class_labels.max().item() >= num_classes
+        ):
+            raise ValueError(f"class_labels must lie in [0, {num_classes - 1}]")
+        classes = torch.arange(num_classes, device=class_labels.device)
+        return (class_labels[:, None] == classes).to(torch.float32)
+
+    def _check_sample(self, sample: torch.Tensor) -> None:
+        if sample.ndim != 4:
+            raise ValueError(f"sample must have shape [B, C, H, W], got {list(sample.shape)}")
+        if sample.shape[1] != self.config.in_channels:
+            raise ValueError(
+                f"sample has {sample.shape[1]} channels, the model expects in_channels={self.config.in_channels}"
+            )
+        factor = 2 ** (len(self.config.channel_mult) - 1)
+        if sample.shape[2] % factor or sample.shape[3] % factor:
+            raise ValueError(
+                f"sample resolution {sample.shape[2]}x{sample.shape[3]} is not divisible by {factor} "
+                f"(the model down-samples {len(self.config.channel_mult) - 1} times)"
+            )
+
+    def _run_block(self, block: Block, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            return self._gradient_checkpointing_func(block, x, emb)
+        return block(x, emb)
+
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor | float,
+        class_labels: torch.Tensor | None = None,
+        return_dict: bool = True,
+    ) -> UNet2DOutput | tuple[torch.Tensor]:
+        """``F(sample, c_noise, class_labels)``.
+
+        Args:
+            sample: the preconditioned input ``c_in x``, [B, in_channels, H, W].
+            timestep: ``c_noise = ln(sigma) / 4``, a float scalar or a [B] tensor.
+            class_labels: integer labels [B] or one-hot rows [B, num_class_embeds] (required iff conditional).
+        """
+        self._check_sample(sample)
+        batch_size = sample.shape[0]
+        emb = self.noise_embedding(self.noise_fourier(self._noise_labels(timestep, batch_size, sample.device)))
+        if self.class_embedding is not None:
+            labels = self._one_hot_labels(class_labels, batch_size).to(emb.device)
+            labels = labels * math.sqrt(labels.shape[1])
+            emb = mp_sum(emb, self.class_embedding(labels), t=self.config.label_balance)
+        elif class_labels is not None:
+            raise ValueError("class_labels were given, but the model is unconditional (num_class_embeds is None)")
+        emb = mp_silu(emb)
+
+        x = torch.cat([sample, torch.ones_like(sample[:, :1])], dim=1)
+        x = self.conv_in(x)
+        skips = [x]
+        for block in self.encoder_blocks:
+            x = self._run_block(block, x, emb)
+            skips.append(x)
+        for block, balance in zip(self.decoder_blocks, self._skip_balances, strict=True):
+            if balance is not None:
+                x = mp_cat(x, skips.pop(), t=balance)
+            x = self._run_block(block, x, emb)
+        x = self.conv_out(x, gain=self.out_gain)
+
+        if not return_dict:
+            return (x,)
+        return UNet2DOutput(sample=x)

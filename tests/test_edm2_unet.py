@@ -1,0 +1,302 @@
+"""EDM2UNet2DModel: config G structure, invariants, diffusers conformance and bad input."""
+
+import inspect
+import math
+
+import pytest
+import torch
+from diffusers import EDMEulerScheduler, UNet2DModel
+
+from diffusers_scalelong.edm2 import EDMPreconditioner, LearnedUncertainty
+from diffusers_scalelong.layers import mp_cat
+from diffusers_scalelong.models import EDM2UNet2DModel
+from diffusers_scalelong.models.edm2_unet import scaled_concat_balance
+
+TINY = dict(
+    sample_size=16,
+    in_channels=3,
+    model_channels=16,
+    channel_mult=(1, 2),
+    layers_per_block=1,
+    attention_resolutions=(8,),
+    channels_per_head=8,
+)
+
+
+def tiny_model(**overrides) -> EDM2UNet2DModel:
+    return EDM2UNet2DModel(**{**TINY, **overrides})
+
+
+def randomize_gains(model: EDM2UNet2DModel) -> EDM2UNet2DModel:
+    """Non-zero output and embedding gains, as after training (at init F is 0 and the embedding unused)."""
+    with torch.no_grad():
+        model.out_gain.fill_(1.0)
+        for block in [*model.encoder_blocks, *model.decoder_blocks]:
+            block.emb_gain.fill_(0.5)
+    return model
+
+
+def rms(x: torch.Tensor) -> float:
+    return x.float().pow(2).mean().sqrt().item()
+
+
+def test_config_uses_diffusers_names():
+    config = tiny_model(num_class_embeds=10).config
+    for name in ["sample_size", "in_channels", "out_channels", "layers_per_block", "num_class_embeds", "dropout"]:
+        assert name in config
+    assert config.sample_size == 16 and config.num_class_embeds == 10
+
+
+# Official sizes (arXiv 2312.02696, Table 2, ImageNet-512). The official count covers the whole preconditioned
+# network: the UNet plus the learned-uncertainty head (MPConv 128 -> 1, 128 weights).
+OFFICIAL_MPARAMS = {"XS": 124.7, "S": 280.2, "M": 497.8, "L": 777.5, "XL": 1119.3, "XXL": 1523.2}
+
+
+@pytest.mark.parametrize("size", list(OFFICIAL_MPARAMS))
+def test_presets_match_official_parameter_counts(size):
+    with torch.device("meta"):
+        unet = EDM2UNet2DModel.from_preset(size)
+        head = LearnedUncertainty()
+    count = sum(p.numel() for p in unet.parameters()) + sum(p.numel() for p in head.parameters())
+    assert abs(count / 1e6 - OFFICIAL_MPARAMS[size]) / OFFICIAL_MPARAMS[size] < 0.005
+    assert unet.config.in_channels == 4 and unet.config.num_class_embeds == 1000
+    with torch.device("meta"):
+        pixel_model = EDM2UNet2DModel.from_preset(size, dataset="img64")
+    assert pixel_model.config.in_channels == 3 and pixel_model.config.sample_size == 64
+
+
+def test_config_g_structure_of_the_s_preset():
+    with torch.device("meta"):
+        unet = EDM2UNet2DModel.from_preset("s")
+    # 4 levels: conv + 3 blocks at 64, then down + 3 blocks at 32, 16, 8 -> 16 skips; decoder 2 + 3 * (1 + 4) + 4.
+    assert len(unet.encoder_blocks) == 3 + 3 * 4
+    assert len(unet.decoder_blocks) == 2 + 4 + 3 * 5
+    assert sum(balance is not None for balance in unet._skip_balances) == 16
+    attention = [block.num_heads for block in unet.decoder_blocks]
+    assert attention[0] == 768 // 64  # the innermost decoder block always attends
+    assert unet.conv_in.weight.shape == (192, 5, 3, 3)  # 4 latent channels + the constant ones channel
+
+
+def test_output_is_exactly_zero_at_init_so_denoiser_is_c_skip_x():
+    model = tiny_model()
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.count_nonzero(model(x, torch.tensor([-0.5, 0.3])).sample) == 0
+    sigma = torch.tensor([0.2, 3.0])
+    denoised = EDMPreconditioner(model)(x, sigma)
+    c_skip = 0.25 / (sigma**2 + 0.25)
+    torch.testing.assert_close(denoised, c_skip.reshape(-1, 1, 1, 1) * x)
+
+
+def test_activations_keep_unit_magnitude_through_the_whole_unet_at_init():
+    model = EDM2UNet2DModel(
+        sample_size=16, in_channels=3, model_channels=64, channel_mult=(1, 2), layers_per_block=2,
+        attention_resolutions=(), channels_per_head=64,
+    )  # fmt: skip
+    outputs = {}
+    hooks = [
+        module.register_forward_hook(lambda mod, args, out, name=name: outputs.__setitem__(name, rms(out)))
+        for name, module in model.named_children()
+        if name in ("conv_in",)
+    ] + [
+        block.register_forward_hook(lambda mod, args, out, name=f"{kind}.{i}": outputs.__setitem__(name, rms(out)))
+        for kind in ("encoder_blocks", "decoder_blocks")
+        for i, block in enumerate(getattr(model, kind))
+    ]
+    with torch.no_grad():
+        model(torch.randn(16, 3, 16, 16), torch.zeros(16))
+    for hook in hooks:
+        hook.remove()
+    assert len(outputs) == 1 + len(model.encoder_blocks) + len(model.decoder_blocks)
+    for name, value in outputs.items():
+        assert value == pytest.approx(1.0, abs=0.1), name
+
+
+def test_works_unchanged_with_diffusers_edm_euler_scheduler():
+    """timestep = c_noise and prediction_type='epsilon' (F-prediction): the scheduler's x0 equals D(x; sigma)."""
+    model = randomize_gains(tiny_model()).eval()
+    scheduler = EDMEulerScheduler(sigma_min=0.002, sigma_max=80.0, sigma_data=0.5, prediction_type="epsilon")
+    scheduler.set_timesteps(6)
+    denoiser = EDMPreconditioner(model)
+    sample = torch.randn(2, 3, 16, 16) * scheduler.init_noise_sigma
+    with torch.no_grad():
+        for i, t in enumerate(scheduler.timesteps):
+            sigma = scheduler.sigmas[i]
+            assert t.item() == pytest.approx(math.log(sigma.item()) / 4, abs=1e-5)
+            model_input = scheduler.scale_model_input(sample, t)
+            output = model(model_input, t).sample
+            step = scheduler.step(output, t, sample)
+            torch.testing.assert_close(step.pred_original_sample, denoiser(sample, sigma), atol=1e-5, rtol=1e-5)
+            sample = step.prev_sample
+    assert torch.isfinite(sample).all()
+
+
+def test_save_load_round_trip(tmp_path):
+    model = randomize_gains(tiny_model(num_class_embeds=5, lsc_method="cs", lsc_kappa=0.7)).eval()
+    model.save_pretrained(tmp_path)
+    loaded = EDM2UNet2DModel.from_pretrained(tmp_path).eval()
+    public = lambda config: {k: list(v) if isinstance(v, tuple) else v for k, v in config.items() if k[0] != "_"}  # noqa: E731
+    assert public(loaded.config) == public(model.config)
+    x, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 4])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, 0.1, labels).sample, model(x, 0.1, labels).sample, atol=5e-5, rtol=0)
+    assert loaded._skip_balances == model._skip_balances
+
+
+def test_preconditioner_round_trip_keeps_the_uncertainty_head(tmp_path):
+    denoiser = EDMPreconditioner(randomize_gains(tiny_model()), LearnedUncertainty(), sigma_data=0.6)
+    denoiser.eval()
+    denoiser.save_pretrained(tmp_path)
+    loaded = EDMPreconditioner.from_pretrained(tmp_path).eval()
+    assert loaded.sigma_data == 0.6
+    x, sigma = torch.randn(2, 3, 16, 16), torch.tensor([0.3, 2.0])
+    with torch.no_grad():
+        expected, expected_logvar = denoiser(x, sigma, return_logvar=True)
+        actual, logvar = loaded(x, sigma, return_logvar=True)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(logvar, expected_logvar)
+    with pytest.raises(ValueError, match="preconditioner_config.json"):
+        EDMPreconditioner.from_pretrained(tmp_path / "unet")
+
+
+def test_deterministic_and_timestep_broadcast():
+    model = randomize_gains(tiny_model()).eval()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        first = model(x, torch.tensor(0.2)).sample
+        torch.testing.assert_close(model(x, torch.tensor(0.2)).sample, first, atol=0, rtol=0)
+        torch.testing.assert_close(model(x, torch.full((3,), 0.2)).sample, first)
+        torch.testing.assert_close(model(x, 0.2).sample, first)
+        assert not torch.allclose(model(x, -0.2).sample, first)
+
+
+def test_class_conditional_accepts_int_and_one_hot_labels():
+    model = randomize_gains(tiny_model(num_class_embeds=4)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    labels = torch.tensor([1, 3])
+    with torch.no_grad():
+        by_index = model(x, 0.0, labels).sample
+        by_one_hot = model(x, 0.0, torch.nn.functional.one_hot(labels, 4).float()).sample
+        other = model(x, 0.0, torch.tensor([2, 3])).sample
+    torch.testing.assert_close(by_index, by_one_hot)
+    assert not torch.allclose(by_index[0], other[0]) and torch.allclose(by_index[1], other[1])
+
+
+def test_unconditional_model_has_no_class_embedding():
+    model = tiny_model()
+    assert model.class_embedding is None
+    assert not any("class" in name for name, _ in model.named_parameters())
+
+
+def test_dict_and_tuple_outputs_agree():
+    model = randomize_gains(tiny_model()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        (as_tuple,) = model(x, 0.1, return_dict=False)
+        torch.testing.assert_close(as_tuple, model(x, 0.1).sample)
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    reference = randomize_gains(tiny_model(num_class_embeds=3))
+    checkpointed = tiny_model(num_class_embeds=3)
+    checkpointed.load_state_dict(reference.state_dict())
+    checkpointed.enable_gradient_checkpointing()
+    assert checkpointed.gradient_checkpointing and not reference.gradient_checkpointing
+    x, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 2])
+    losses = []
+    for model in (reference, checkpointed):
+        model.train()
+        loss = model(x, torch.tensor([0.1, -0.4]), labels).sample.square().mean()
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=0)
+    for (name, p_ref), p_ckpt in zip(reference.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(p_ref.grad, p_ckpt.grad, atol=5e-5, rtol=0, msg=name)
+
+
+def test_bf16_autocast_on_cpu_stays_close_to_fp32():
+    model = randomize_gains(tiny_model()).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        reference = model(x, 0.1).sample
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(x, 0.1).sample
+    assert low.dtype == torch.bfloat16
+    assert rms(low.float() - reference) < 0.05 * rms(reference)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    model = randomize_gains(tiny_model(num_class_embeds=3))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x, t, labels = torch.randn(2, 3, 16, 16), torch.tensor([0.1, 0.2]), torch.tensor([0, 2])
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, t, labels).sample, model(x, t, labels).sample)
+    model.train()
+    compiled(x, t, labels).sample.square().mean().backward()  # forced weight normalisation inside the graph
+    row_rms = model.conv_in.weight.detach().flatten(1).pow(2).mean(dim=1).sqrt()
+    torch.testing.assert_close(row_rms, torch.ones_like(row_rms))
+
+
+def test_lsc_none_is_exactly_edm2_and_cs_reweights_each_skip():
+    plain, none = tiny_model(), tiny_model(lsc_method="none")
+    assert plain._skip_balances == none._skip_balances
+    assert [b for b in plain._skip_balances if b is not None] == [0.5] * 4
+    scaled = tiny_model(lsc_method="cs", lsc_kappa=0.5)
+    # 4 skips (conv_in, block, down, block), consumed innermost first: kappa^3 ... kappa^0 (outermost unscaled).
+    expected = [scaled_concat_balance(0.5, 0.5**i) for i in (3, 2, 1, 0)]
+    assert [b for b in scaled._skip_balances if b is not None] == pytest.approx(expected)
+    scaled.load_state_dict(plain.state_dict())
+    randomize_gains(plain), randomize_gains(scaled)
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        assert not torch.allclose(plain(x, 0.0).sample, scaled(x, 0.0).sample)
+
+
+def test_scaled_concat_balance_equals_mp_cat_of_a_kappa_weighted_skip():
+    a, b = torch.randn(2, 6, 4, 4), torch.randn(2, 10, 4, 4)
+    t, kappa = 0.4, 0.3
+    out = mp_cat(a, b, t=scaled_concat_balance(t, kappa))
+    # Direct: weights (1 - t) and kappa t per channel-normalised part, jointly rescaled to unit magnitude.
+    wa, wb = (1 - t) / math.sqrt(6), kappa * t / math.sqrt(10)
+    joint = math.sqrt(16 / ((1 - t) ** 2 + (kappa * t) ** 2))
+    torch.testing.assert_close(out, torch.cat([joint * wa * a, joint * wb * b], dim=1))
+    assert scaled_concat_balance(t, 1.0) == t
+
+
+def test_signature_accepts_every_documented_option():
+    params = inspect.signature(EDM2UNet2DModel.__init__).parameters
+    for name in ["channel_mult", "attention_resolutions", "res_balance", "attn_balance", "concat_balance",
+                 "label_balance", "channels_per_head", "clip_act", "lsc_method", "lsc_kappa"]:  # fmt: skip
+        assert name in params
+    shared = {"sample_size", "in_channels", "out_channels", "layers_per_block", "num_class_embeds", "dropout"}
+    assert shared <= set(inspect.signature(UNet2DModel.__init__).parameters)
+
+
+def test_bad_input_raises_value_error():
+    with pytest.raises(ValueError, match="sample_size=18 is not divisible"):
+        tiny_model(sample_size=18, channel_mult=(1, 2, 2))
+    with pytest.raises(ValueError, match="unknown EDM2 preset size"):
+        EDM2UNet2DModel.from_preset("XXXL")
+    with pytest.raises(ValueError, match="unknown EDM2 preset dataset"):
+        EDM2UNet2DModel.from_preset("S", dataset="cifar")
+    with pytest.raises(ValueError, match="lsc_method"):
+        tiny_model(lsc_method="half")
+    model = tiny_model(num_class_embeds=4)
+    x = torch.randn(2, 3, 16, 16)
+    with pytest.raises(ValueError, match="in_channels=3"):
+        model(torch.randn(2, 4, 16, 16), 0.0, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="not divisible by 2"):
+        model(torch.randn(2, 3, 15, 16), 0.0, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="pass class_labels"):
+        model(x, 0.0)
+    with pytest.raises(ValueError, match=r"class_labels must lie in \[0, 3\]"):
+        model(x, 0.0, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"class_labels must lie in \[0, 3\]"):
+        model(x, 0.0, torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="one-hot rows"):
+        model(x, 0.0, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="float c_noise"):
+        model(x, torch.tensor([1, 2]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="unconditional"):
+        tiny_model()(x, 0.0, torch.tensor([0, 1]))
