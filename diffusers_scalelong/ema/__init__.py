@@ -20,17 +20,29 @@ from .profiles import (
     sigma_rel_to_gamma,
     solve_profile_coefficients,
 )
+from .reconstruct import (
+    ReconstructionPlan,
+    plan_reconstruction,
+    reconstruct_ema,
+    resolve_model_class,
+    save_reconstructed_models,
+)
 from .snapshots import SnapshotInfo, list_snapshots, read_snapshot_info, snapshot_filename
 from .tracker import PowerFunctionEMA, unwrap_model
 
 __all__ = [
     "MAX_SIGMA_REL",
     "PowerFunctionEMA",
+    "ReconstructionPlan",
     "SnapshotInfo",
     "gamma_to_sigma_rel",
     "list_snapshots",
+    "plan_reconstruction",
     "profile_inner_products",
     "read_snapshot_info",
+    "reconstruct_ema",
+    "resolve_model_class",
+    "save_reconstructed_models",
     "sigma_rel_to_gamma",
     "snapshot_filename",
     "solve_profile_coefficients",

@@ -6,11 +6,14 @@ import copy
 import json
 import math
 import numbers
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import extract_model_from_parallel
+from safetensors import safe_open
 from torch import nn
 
 from .profiles import sigma_rel_to_gamma
@@ -194,6 +197,37 @@ class PowerFunctionEMA:
         self.time_unit = state_dict["time_unit"]
         self.last_step = None if state_dict["last_step"] is None else int(state_dict["last_step"])
         self.num_updates = int(state_dict["num_updates"])
+
+    def save_state(self, path: str | os.PathLike) -> None:
+        """Write ``state_dict()`` as one safetensors file (JSON values in its metadata), atomically.
+
+        A pickle-free alternative to ``accelerator.register_for_checkpointing`` (which loads with pickle); call it
+        from ``accelerator.register_save_state_pre_hook`` or next to ``save_state``.
+        """
+        from .snapshots import atomic_save_file
+
+        state = self.state_dict()
+        tensors = {
+            f"averages.{i}.{k}": v.detach().cpu() for i, a in enumerate(state.pop("averages")) for k, v in a.items()
+        }
+        tensors.update({f"copies.{k}": v.detach().cpu() for k, v in state.pop("copies").items()})
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_save_file(tensors, path, {"state": json.dumps(state)})
+
+    def load_state(self, path: str | os.PathLike) -> None:
+        """Restore a file written by ``save_state`` (safetensors only, no pickle)."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                state = json.loads((f.metadata() or {})["state"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as error:
+            raise ValueError(f"cannot read PowerFunctionEMA state file {path}: {error!r}") from None
+        state["averages"] = [
+            {k.removeprefix(f"averages.{i}."): v for k, v in tensors.items() if k.startswith(f"averages.{i}.")}
+            for i in range(len(state["sigma_rels"]))
+        ]
+        state["copies"] = {k.removeprefix("copies."): v for k, v in tensors.items() if k.startswith("copies.")}
+        self.load_state_dict(state)
 
     # --------------------------------------------------------------------------------------------- snapshots
     def save_snapshots(

@@ -1,0 +1,289 @@
+"""Post-hoc reconstruction of EMA profiles from snapshot files (EDM2 Algorithm 3), streaming over snapshots.
+
+For targets ``(t_r, gamma_r)`` the coefficients ``X`` solve ``A X = B`` in float64 with ``A_ij = <p_i, p_j>`` over
+the snapshots at times ``0 < t_i <= t_r`` and ``B_ij = <p_i, p_target_j>``; each column is rescaled to sum to 1.
+The reconstructed weights are ``theta_j = sum_i X_ij theta_i``. Snapshots are read one tensor at a time and added
+into one accumulator per target, so memory is one tensor plus the outputs, whatever the number of snapshots.
+Buffers are not averaged: they are taken from the newest snapshot used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from .profiles import sigma_rel_to_gamma, solve_profile_coefficients
+from .snapshots import SnapshotInfo, atomic_save_file, list_snapshots, snapshot_filename, storage_dtype
+
+#: Only classes from these packages are instantiated from snapshot metadata.
+ALLOWED_MODEL_PACKAGES = ("diffusers", "diffusers_scalelong")
+ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ReconstructionPlan:
+    """Which snapshots are combined, with which coefficients, into which target profiles."""
+
+    target_time: int
+    target_sigma_rels: tuple[float, ...]
+    target_gammas: tuple[float, ...]
+    snapshots: tuple[SnapshotInfo, ...]
+    coefficients: np.ndarray  # (num_snapshots, num_targets), float64, columns sum to 1
+    relative_errors: np.ndarray  # (num_targets,) ||reconstructed profile - target profile|| / ||target profile||
+
+    def describe(self) -> str:
+        """A text table of the coefficients and the expected relative profile error per target."""
+        unit = self.snapshots[-1].time_unit
+        header = f"{'snapshot':>38} | " + " | ".join(f"sigma_rel={s:<8.4g}" for s in self.target_sigma_rels)
+        lines = [f"target time {self.target_time} {unit}, {len(self.snapshots)} snapshots", header, "-" * len(header)]
+        for info, row in zip(self.snapshots, self.coefficients, strict=True):
+            lines.append(f"{info.path.name:>38} | " + " | ".join(f"{x:>+18.6f}" for x in row))
+        lines.append("-" * len(header))
+        lines.append(f"{'relative profile error':>38} | " + " | ".join(f"{e:>18.3e}" for e in self.relative_errors))
+        return "\n".join(lines)
+
+
+def _comparable_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if config is None else {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def _check_consistent(snapshots: Sequence[SnapshotInfo]) -> None:
+    first = snapshots[0]
+    seen: set[tuple[int, float]] = set()
+    for info in snapshots:
+        if (info.time, info.sigma_rel) in seen:
+            raise ValueError(f"two snapshots for time {info.time} and sigma_rel {info.sigma_rel} (e.g. {info.path})")
+        seen.add((info.time, info.sigma_rel))
+        if info.model_class != first.model_class or _comparable_config(info.model_config) != _comparable_config(
+            first.model_config
+        ):
+            raise ValueError(f"snapshots come from different model configs: {first.path} and {info.path}")
+        if info.shapes != first.shapes or info.copied_keys != first.copied_keys:
+            diff = sorted(k for k in set(info.shapes) | set(first.shapes) if info.shapes.get(k) != first.shapes.get(k))
+            raise ValueError(
+                f"snapshots have different tensors/shapes: {first.path} and {info.path} (first differing keys: {diff[:3]})"
+            )
+        if info.time_unit != first.time_unit:
+            raise ValueError(f"snapshots count time in different units: {first.path} and {info.path}")
+
+
+def _as_snapshots(snapshots: str | os.PathLike | Sequence[SnapshotInfo]) -> list[SnapshotInfo]:
+    if isinstance(snapshots, (str, os.PathLike)):
+        folder = snapshots
+        snapshots = list_snapshots(folder)
+        if not snapshots:
+            raise ValueError(f"no snapshot files (phema-*.safetensors) in {folder}")
+    snapshots = sorted(snapshots, key=lambda info: (info.time, info.sigma_rel))
+    if not snapshots:
+        raise ValueError("no snapshots given")
+    return snapshots
+
+
+def plan_reconstruction(
+    snapshots: str | os.PathLike | Sequence[SnapshotInfo],
+    target_sigma_rels: Sequence[float],
+    target_time: int | None = None,
+) -> ReconstructionPlan:
+    """Validate the snapshots (a folder or ``list_snapshots`` output) and solve for the coefficients.
+
+    ``target_time`` must be one of the snapshot times (default: the newest). Snapshots at time 0 and newer than
+    the target are excluded. Raises ``ValueError`` for an empty set, mixed models, or a bad target.
+    """
+    snapshots = _as_snapshots(snapshots)
+    target_sigma_rels = tuple(float(s) for s in target_sigma_rels)
+    if not target_sigma_rels:
+        raise ValueError("give at least one target sigma_rel")
+    target_gammas = tuple(sigma_rel_to_gamma(s) for s in target_sigma_rels)
+    _check_consistent(snapshots)
+    times = sorted({info.time for info in snapshots if info.time > 0})
+    if not times:
+        raise ValueError("all snapshots are at time 0; nothing to reconstruct from")
+    if target_time is None:
+        target_time = times[-1]
+    if isinstance(target_time, bool) or not isinstance(target_time, (int, np.integer)) or target_time <= 0:
+        raise ValueError(f"target time must be a positive integer, got {target_time!r}")
+    if target_time > times[-1]:
+        raise ValueError(f"target time {target_time} is later than the last snapshot (time {times[-1]})")
+    if target_time not in times:
+        raise ValueError(f"no snapshot at target time {target_time}; snapshot times: {times}")
+    used = tuple(info for info in snapshots if 0 < info.time <= target_time)
+    coefficients, errors = solve_profile_coefficients(
+        [info.time for info in used],
+        [info.gamma for info in used],
+        [target_time] * len(target_sigma_rels),
+        target_gammas,
+    )
+    return ReconstructionPlan(int(target_time), target_sigma_rels, target_gammas, used, coefficients, errors)
+
+
+def _accumulate(
+    plan: ReconstructionPlan, accumulate_dtype: torch.dtype, dtype: torch.dtype, progress: bool
+) -> list[dict[str, torch.Tensor]]:
+    """Stream over the plan's snapshots, one tensor at a time, into one accumulator per target."""
+    last = plan.snapshots[-1]
+    copied = set(last.copied_keys)
+    averaged_keys = [k for k in last.shapes if k not in copied]
+    outputs: list[dict[str, torch.Tensor]] = [
+        {k: torch.zeros(last.shapes[k], dtype=accumulate_dtype) for k in averaged_keys} for _ in plan.target_sigma_rels
+    ]
+    for info, row in zip(
+        tqdm(plan.snapshots, desc="reconstructing EMA", unit="snapshot", disable=not progress),
+        plan.coefficients.tolist(),
+        strict=True,
+    ):
+        try:
+            with safe_open(str(info.path), framework="pt") as f:
+                for key in averaged_keys:
+                    tensor = f.get_tensor(key).to(accumulate_dtype)
+                    for output, weight in zip(outputs, row, strict=True):
+                        output[key].add_(tensor, alpha=weight)
+                if info is last:
+                    buffers = {k: f.get_tensor(k) for k in last.copied_keys}
+        except (OSError, RuntimeError, ValueError) as error:
+            raise ValueError(f"could not read snapshot file {info.path}: {error}") from None
+    results = []
+    for output in outputs:
+        state = {k: v.to(dtype) for k, v in output.items()}
+        state.update({k: v.clone() for k, v in buffers.items()})
+        results.append({k: state[k] for k in last.shapes})  # the snapshot's key order
+    return results
+
+
+def _accumulate_dtype(name: torch.dtype | str) -> torch.dtype:
+    if isinstance(name, torch.dtype) and name in ACCUMULATE_DTYPES.values():
+        return name
+    key = str(name).removeprefix("torch.")
+    if key not in ACCUMULATE_DTYPES:
+        raise ValueError(f"accumulate_dtype must be float32 or float64, got {name!r}")
+    return ACCUMULATE_DTYPES[key]
+
+
+def reconstruct_ema(
+    snapshots: str | os.PathLike | Sequence[SnapshotInfo],
+    target_sigma_rels: Sequence[float],
+    target_time: int | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    accumulate_dtype: torch.dtype | str = torch.float32,
+    progress: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Reconstructed model ``state_dict``s, one per target sigma_rel, at ``target_time`` (default: newest)."""
+    plan = plan_reconstruction(snapshots, target_sigma_rels, target_time)
+    return _accumulate(plan, _accumulate_dtype(accumulate_dtype), storage_dtype(dtype), progress)
+
+
+def resolve_model_class(qualified_name: str) -> type:
+    """Import a diffusers model class named ``"package.module.ClassName"`` from an allow-listed package."""
+    from diffusers import ModelMixin
+
+    module_name, _, class_name = qualified_name.rpartition(".")
+    if module_name.split(".")[0] not in ALLOWED_MODEL_PACKAGES or not class_name.isidentifier():
+        raise ValueError(f"model class {qualified_name!r} is not from an allowed package {ALLOWED_MODEL_PACKAGES}")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError as error:
+        raise ValueError(f"cannot import model class {qualified_name!r}: {error}") from None
+    if not (isinstance(cls, type) and issubclass(cls, ModelMixin)):
+        raise ValueError(f"{qualified_name!r} is not a diffusers ModelMixin class")
+    return cls
+
+
+def reconstruction_dirname(time: int, sigma_rel: float) -> str:
+    """Folder name of a reconstructed model: ``phema-<time:010d>-<sigma_rel>``."""
+    return snapshot_filename(time, sigma_rel).removesuffix(".safetensors")
+
+
+def save_reconstructed_models(
+    snapshots: str | os.PathLike | Sequence[SnapshotInfo],
+    output_dir: str | os.PathLike,
+    target_sigma_rels: Sequence[float],
+    target_time: int | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    accumulate_dtype: torch.dtype | str = torch.float32,
+    progress: bool = False,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Reconstruct and write one folder per target under ``output_dir``; returns the folders.
+
+    Diffusers models (snapshots that record a ``model_class``) are written with ``save_pretrained`` and load with
+    ``from_pretrained``; other models as ``model.safetensors``. Each folder also gets ``phema.json`` (sigma_rel,
+    gamma, time, snapshots, coefficients, expected profile error). All checks run before anything is written, and
+    each folder appears at once (renamed from a temporary folder).
+    """
+    plan = plan_reconstruction(snapshots, target_sigma_rels, target_time)
+    dtype, accumulate_dtype = storage_dtype(dtype), _accumulate_dtype(accumulate_dtype)
+    info = plan.snapshots[-1]
+    model_class = resolve_model_class(info.model_class) if info.model_class else None
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"output_dir {output_dir} exists and is not a folder")
+    destinations = [output_dir / reconstruction_dirname(plan.target_time, s) for s in plan.target_sigma_rels]
+    if len(set(destinations)) != len(destinations):
+        raise ValueError(f"target sigma_rels must be distinct, got {plan.target_sigma_rels}")
+    existing = [str(d) for d in destinations if d.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"output folders already exist (use overwrite): {existing}")
+
+    states = _accumulate(plan, accumulate_dtype, dtype, progress)
+    created_output_dir = not output_dir.exists()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    staging: list[Path] = []
+    try:
+        for state, sigma_rel, gamma, column, error in zip(
+            states, plan.target_sigma_rels, plan.target_gammas, plan.coefficients.T, plan.relative_errors, strict=True
+        ):
+            folder = output_dir / f".phema-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            folder.mkdir()
+            staging.append(folder)
+            if model_class is not None:
+                model = model_class.from_config(info.model_config)
+                model.load_state_dict(state, strict=True)
+                model.to(dtype).save_pretrained(folder, safe_serialization=True)
+            else:
+                atomic_save_file(state, folder / "model.safetensors", {"format": "pt"})
+            record = _provenance(plan, sigma_rel, gamma, column, error, dtype)
+            (folder / "phema.json").write_text(json.dumps(record, indent=2) + "\n")
+        for folder, destination in zip(staging, destinations, strict=True):
+            if destination.exists():
+                shutil.rmtree(destination)
+            os.replace(folder, destination)
+    except BaseException:
+        for folder in staging:
+            shutil.rmtree(folder, ignore_errors=True)
+        if created_output_dir and not any(output_dir.iterdir()):
+            output_dir.rmdir()
+        raise
+    return destinations
+
+
+def _provenance(
+    plan: ReconstructionPlan, sigma_rel: float, gamma: float, column: np.ndarray, error: float, dtype: torch.dtype
+) -> dict[str, Any]:
+    from .. import __version__
+
+    return {
+        "sigma_rel": sigma_rel,
+        "gamma": gamma,
+        "time": plan.target_time,
+        "time_unit": plan.snapshots[-1].time_unit,
+        "dtype": str(dtype).removeprefix("torch."),
+        "relative_profile_error": float(error),
+        "snapshots": [
+            {"file": info.path.name, "time": info.time, "sigma_rel": info.sigma_rel, "coefficient": float(x)}
+            for info, x in zip(plan.snapshots, column, strict=True)
+        ],
+        "library_version": __version__,
+    }
