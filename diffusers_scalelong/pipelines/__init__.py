@@ -13,8 +13,17 @@ from .edm2_pipeline import (
     EDM2Pipeline,
     set_edm2_latent_scaling,
 )
+from .hub_layout import model_card, push_pipeline_to_hub, write_hub_layout
 
 if not hasattr(diffusers, "EDM2Pipeline"):
     diffusers.EDM2Pipeline = EDM2Pipeline
 
-__all__ = ["EDM2Pipeline", "EDM2_SD_VAE_LATENTS_MEAN", "EDM2_SD_VAE_LATENTS_STD", "set_edm2_latent_scaling"]
+__all__ = [
+    "EDM2Pipeline",
+    "EDM2_SD_VAE_LATENTS_MEAN",
+    "EDM2_SD_VAE_LATENTS_STD",
+    "model_card",
+    "push_pipeline_to_hub",
+    "set_edm2_latent_scaling",
+    "write_hub_layout",
+]

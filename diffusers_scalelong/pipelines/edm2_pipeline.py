@@ -8,6 +8,7 @@ equals preconditioning ``F_w = F_g + w (F - F_g)``, which is what the pipeline p
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -179,6 +180,56 @@ class EDM2Pipeline(DiffusionPipeline):
         else:
             z = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
         return self.vae.decode(z.to(self.vae.dtype)).sample
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> EDM2Pipeline:
+        """diffusers' ``from_pretrained``, with a clearer error for a Hub-layout repo loaded without
+        ``trust_remote_code=True``."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        except ValueError as error:
+            if kwargs.get("trust_remote_code") or "trust_remote_code" not in str(error):
+                raise
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is in diffusers-scalelong's Hub layout: model_index.json names "
+                "small code files in the repo that import the installed diffusers_scalelong package. Load it with "
+                f"EDM2Pipeline.from_pretrained({str(pretrained_model_name_or_path)!r}, trust_remote_code=True) or "
+                f"DiffusionPipeline.from_pretrained({str(pretrained_model_name_or_path)!r}, trust_remote_code=True)."
+            ) from error
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | None = None,
+        create_pr: bool = False,
+        safe_serialization: bool = True,
+        variant: str | None = None,
+        endpoint: str | None = None,
+        ema_sigma_rel: float | None = None,
+        sampler_settings: dict | None = None,
+        dataset: str | None = None,
+    ) -> str:
+        """Upload in the Hub-native layout (see `push_pipeline_to_hub`), loadable by repo id with
+        ``DiffusionPipeline.from_pretrained(repo_id, trust_remote_code=True)``; returns the commit URL."""
+        if create_pr:
+            raise ValueError("create_pr is not supported: push_to_hub commits to the main branch")
+        from .hub_layout import push_pipeline_to_hub
+
+        return push_pipeline_to_hub(
+            self,
+            repo_id,
+            commit_message=commit_message or "Upload EDM2Pipeline",
+            private=private,
+            token=token,
+            endpoint=endpoint,
+            ema_sigma_rel=ema_sigma_rel,
+            sampler_settings=sampler_settings,
+            dataset=dataset,
+            safe_serialization=safe_serialization,
+            variant=variant,
+        )
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
