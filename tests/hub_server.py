@@ -9,15 +9,17 @@ it exactly as it talks to the Hub, with ``HfApi(endpoint=...)`` or ``HF_ENDPOINT
   ``Range`` header, but resumed downloads and safetensors header reads rely on ``206 Partial Content``) and
   missing files, revisions or repos (answered with the Hub's ``X-Error-Code`` headers so the client raises
   ``EntryNotFoundError`` / ``RevisionNotFoundError`` / ``RepositoryNotFoundError``).
-* **Writes** are handled here: ``POST /api/repos/create``, ``DELETE /api/repos/delete``,
+* **Writes** are handled here: ``POST /api/repos/create``, ``DELETE /api/repos/delete``, ``POST /api/validate-yaml``,
   ``POST /api/<type>s/<ns>/<name>/preupload/<rev>`` (every file is answered ``"regular"``, so no LFS or Xet
   endpoint is needed; clients set ``HF_HUB_DISABLE_XET=1``) and the NDJSON
   ``POST /api/<type>s/<ns>/<name>/commit/<rev>`` (inline base64 files, deleted files and folders), which becomes
   a git commit on the branch that olah then serves.
 
-Every request is appended to ``ROOT/requests.jsonl`` (method, path, ``Range`` header, status) so tests can check
-what went over the wire. ``POST /_local_hub/throttle`` with ``{"bytes_per_second": N}`` (or ``null``) slows file
-downloads down, so a test can interrupt a download part-way.
+Every request is appended to ``ROOT/requests.jsonl`` (method, path, ``Range`` header, status, whether the response
+was sent completely) so tests can check
+what went over the wire. ``POST /_local_hub/throttle`` with ``{"bytes_per_second": N, "after_bytes": M}`` slows
+every file download down after its first M bytes (``null``: full speed), so a test can interrupt one part-way;
+``POST /_local_hub/drop`` with ``{"after_bytes": M}`` closes the connection of the next download after M bytes.
 
 Run standalone: ``python tests/hub_server.py --port 0 --root DIR`` prints the base URL on its first stdout line
 and serves until terminated. In pytest, use the ``local_hub`` fixture (see :func:`local_hub`).
@@ -195,6 +197,7 @@ class GitStore:
 # --------------------------------------------------------------------------------------------------------------
 _API_WRITE = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(preupload|commit)/(.+)$")
 _RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
+_REPO_INFO = re.compile(r"^/api/(models|datasets|spaces)/[^/]+/[^/]+$")
 _CHUNK = 64 * 1024
 
 
@@ -213,7 +216,7 @@ def build_app(root: Path):
     config.mirrors_path = [str(store.root)]
     config.repos_path = str(root / "olah-cache")
     olah_app.state.app_settings = AppSettings(config=config)
-    state = {"bytes_per_second": None}
+    state = {"bytes_per_second": None, "after_bytes": 0, "drop_after_bytes": None}
     log_lock = threading.Lock()
     log_path = root / "requests.jsonl"
 
@@ -297,10 +300,31 @@ def build_app(root: Path):
         base = str(request.base_url).rstrip("/")
         return {"commitUrl": f"{base}/{prefix}{repo_id}/commit/{sha}", "commitOid": sha, "pullRequestUrl": None}
 
+    @hub.post("/api/validate-yaml")
+    async def validate_yaml(request: Request):
+        """The client checks a README's metadata before committing it."""
+        import yaml
+
+        content = (await request.json()).get("content", "")
+        match = re.match(r"^---\s*\n(.*?)\n---\s*$", content, flags=re.S | re.M)
+        try:
+            metadata = yaml.safe_load(match.group(1)) if match else {}
+        except yaml.YAMLError as error:
+            return JSONResponse({"errors": [{"message": f"invalid YAML: {error}"}]}, status_code=400)
+        if metadata is not None and not isinstance(metadata, dict):
+            return JSONResponse({"errors": [{"message": "metadata must be a YAML mapping"}]}, status_code=400)
+        return {"errors": [], "warnings": []}
+
+    @hub.post("/_local_hub/drop")
+    async def drop(request: Request):
+        state["drop_after_bytes"] = (await request.json())["after_bytes"]
+        return state
+
     @hub.post("/_local_hub/throttle")
     async def throttle(request: Request):
-        state["bytes_per_second"] = (await request.json()).get("bytes_per_second")
-        return {"bytes_per_second": state["bytes_per_second"]}
+        payload = await request.json()
+        state.update(bytes_per_second=payload.get("bytes_per_second"), after_bytes=payload.get("after_bytes", 0))
+        return state
 
     async def serve_range(scope, send, repo_type, repo_id, revision, path, range_header):
         commit, blob, content = await asyncio.to_thread(store.read, repo_type, repo_id, revision, path)
@@ -333,12 +357,7 @@ def build_app(root: Path):
     async def _send_body(send, body: bytes) -> None:
         for offset in range(0, max(len(body), 1), _CHUNK):
             chunk = body[offset : offset + _CHUNK]
-            await _pace(len(chunk))
             await send({"type": "http.response.body", "body": chunk, "more_body": offset + _CHUNK < len(body)})
-
-    async def _pace(num_bytes: int) -> None:
-        if state["bytes_per_second"]:
-            await asyncio.sleep(num_bytes / state["bytes_per_second"])
 
     def _encode(headers: dict) -> list:
         return [(k.encode(), v.encode()) for k, v in headers.items()]
@@ -348,14 +367,18 @@ def build_app(root: Path):
             return await hub(scope, receive, send)
         path, method = scope["path"], scope["method"]
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        status = {}
+        status, sent = {}, [0]
 
         async def logged_send(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-            elif message["type"] == "http.response.body" and message.get("body"):
-                if path_is_resolve:
-                    await _pace(len(message["body"]))
+            elif message["type"] == "http.response.body" and path_is_resolve:
+                sent[0] += len(message.get("body", b""))
+                if state["drop_after_bytes"] is not None and sent[0] > state["drop_after_bytes"]:
+                    state["drop_after_bytes"] = None  # once: the client sees the connection close mid-body
+                    raise ConnectionAbortedError("local Hub: connection dropped on request")
+                if state["bytes_per_second"] and sent[0] > state["after_bytes"]:  # throttled file download
+                    await asyncio.sleep(len(message.get("body", b"")) / state["bytes_per_second"])
             await send(message)
 
         resolve = _RESOLVE.match(path) if method in ("GET", "HEAD") else None
@@ -366,21 +389,29 @@ def build_app(root: Path):
                 repo_id, revision, file_path = resolve.group(2), unquote(resolve.group(3)), unquote(resolve.group(4))
                 if "range" in headers:
                     status["code"] = await serve_range(
-                        scope, send, repo_type, repo_id, revision, file_path, headers["range"]
+                        scope, logged_send, repo_type, repo_id, revision, file_path, headers["range"]
                     )
                     return
                 # Let olah serve the file, after checking it exists (olah answers a missing path with a 500).
                 await asyncio.to_thread(store.read, repo_type, repo_id, revision, file_path)
                 return await olah_app(scope, receive, logged_send)
-            if path.startswith("/_local_hub/") or path.startswith("/api/repos/") or _API_WRITE.match(path):
+            if path.startswith(("/_local_hub/", "/api/repos/", "/api/validate-yaml")) or _API_WRITE.match(path):
                 return await hub(scope, receive, logged_send)
+            if _REPO_INFO.match(path) and method in ("GET", "HEAD"):
+                # olah offline answers repo info only for an explicit revision; the Hub's default is main.
+                path_main = f"{path}/revision/main"
+                scope = {**scope, "path": path_main, "raw_path": path_main.encode()}
             return await olah_app(scope, receive, logged_send)
         except HubError as exc:
             response = await _hub_error(None, exc)
             status["code"] = exc.status
             await response(scope, receive, send)
+        except BaseException:
+            status["complete"] = False
+            raise
         finally:
             entry = {"method": method, "path": path, "range": headers.get("range"), "status": status.get("code")}
+            entry["complete"] = status.get("complete", True)
             with log_lock, open(log_path, "a") as log:
                 log.write(json.dumps(entry) + "\n")
 
@@ -406,7 +437,7 @@ def serve(root: Path, port: int = 0) -> None:
 # The pytest fixture.
 # --------------------------------------------------------------------------------------------------------------
 class LocalHub:
-    """Handle on a running local Hub: ``endpoint``, ``seed_repo``, ``env``, ``requests``, ``throttle``."""
+    """Handle on a running local Hub: ``endpoint``, ``seed_repo``, ``env``, ``requests``, ``throttle``, ``drop_next_download``."""
 
     def __init__(self, endpoint: str, root: Path, process: subprocess.Popen):
         self.endpoint = endpoint
@@ -431,16 +462,23 @@ class LocalHub:
         return env
 
     def requests(self) -> list[dict]:
-        """Requests served so far: ``{"method", "path", "range", "status"}`` in arrival order."""
+        """Requests served so far: ``{"method", "path", "range", "status", "complete"}`` in arrival order."""
         log = self.root / "requests.jsonl"
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
-    def throttle(self, bytes_per_second: float | None) -> None:
-        """Slow file downloads down to ``bytes_per_second`` (``None``: full speed)."""
+    def drop_next_download(self, after_bytes: int) -> None:
+        """Close the connection of the next file download once it has sent ``after_bytes`` bytes."""
+        import httpx
+
+        httpx.post(f"{self.endpoint}/_local_hub/drop", json={"after_bytes": after_bytes}).raise_for_status()
+
+    def throttle(self, bytes_per_second: float | None, after_bytes: int = 0) -> None:
+        """Send each file download's bytes beyond ``after_bytes`` at ``bytes_per_second`` (``None``: full speed)."""
         import httpx
 
         httpx.post(
-            f"{self.endpoint}/_local_hub/throttle", json={"bytes_per_second": bytes_per_second}
+            f"{self.endpoint}/_local_hub/throttle",
+            json={"bytes_per_second": bytes_per_second, "after_bytes": after_bytes},
         ).raise_for_status()
 
 
@@ -514,7 +552,8 @@ if pytest is not None:
         * ``local_hub.seed_repo(repo_id, folder)``: commit a local folder to ``main`` without the client.
         * ``local_hub.env(hub_cache=...)``: environment for a subprocess; code that reads ``HF_ENDPOINT`` at
           import (diffusers ``from_pretrained("ns/name", revision="main")``) must run in such a subprocess.
-        * ``local_hub.requests()``: the request log; ``local_hub.throttle(bytes_per_second)``: slow downloads.
+        * ``local_hub.requests()``: the request log; ``local_hub.throttle(bytes_per_second, after_bytes)``: slow
+          downloads; ``local_hub.drop_next_download(after_bytes)``: cut the next download's connection once.
 
         Repos persist for the session: give each test its own repo id. Pass ``cache_dir`` (or ``hub_cache``) so
         nothing is written to the user's Hugging Face cache.

@@ -1,0 +1,461 @@
+"""Share post-hoc EMA snapshot sets and reconstructed models through the Hugging Face Hub.
+
+Repository layout written by :func:`push_snapshots` (``path_in_repo`` defaults to ``"phema"``)::
+
+    phema/phema-0000001000-0.050.safetensors    snapshot files, unchanged (see ``diffusers_scalelong.ema.snapshots``)
+    phema/phema-0000001000-0.100.safetensors
+    phema/phema-index.json                       the metadata of every snapshot in the folder, in one small file
+    phema/README.md                              model card: tracked sigma_rel values, times, how to reconstruct
+
+Why an index file: a reconstruction needs the time stamp and ``sigma_rel`` of every snapshot before it can choose
+which ones to download. Reading them from the safetensors headers costs one HTTP range request per snapshot, and a
+server that ignores ``Range`` (olah's local mirrors do) then sends whole files. The index answers in one request.
+It is only a cache of the headers: snapshot files that the index does not list (pushed by other means) are read
+through their headers with :meth:`huggingface_hub.HfApi.get_safetensors_metadata`, and every downloaded file's own
+header is checked against the index before it is used.
+
+:func:`pull_snapshots` downloads only the snapshots a reconstruction at ``target_time`` needs (all snapshots with
+time <= ``target_time``; by default the newest time), through the Hub cache, so an interrupted download resumes
+where it stopped (``huggingface_hub`` keeps the partial ``.incomplete`` file and asks for the remaining bytes).
+:func:`reconstruct_from_hub` pulls and calls :func:`diffusers_scalelong.ema.reconstruct_ema`.
+:func:`push_reconstruction` uploads a reconstructed diffusers model folder with a model card recording its
+``sigma_rel``.
+
+All functions take ``endpoint`` and ``token`` (``None``: the ``huggingface_hub`` defaults, ``HF_ENDPOINT`` / saved
+login).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData, snapshot_download
+
+from .ema import SnapshotInfo, list_snapshots, read_snapshot_info, sigma_rel_to_gamma
+from .ema.snapshots import FILENAME_PATTERN, METADATA_KEY, SNAPSHOT_FORMAT
+
+INDEX_FILENAME = "phema-index.json"
+PROVENANCE_FILENAME = "phema.json"
+INDEX_FORMAT = "diffusers_scalelong.phema-index"
+INDEX_FORMAT_VERSION = 1
+DEFAULT_PATH_IN_REPO = "phema"
+TAGS = ["diffusers-scalelong", "post-hoc-ema", "edm2"]
+
+
+@dataclass(frozen=True)
+class RemoteSnapshot:
+    """A snapshot file in a Hub repo, described by its metadata (from the index or its safetensors header)."""
+
+    filename: str
+    time: int
+    time_unit: str
+    sigma_rel: float
+    gamma: float
+    dtype: str
+    model_class: str | None
+    model_config: dict[str, Any] | None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Push
+# ----------------------------------------------------------------------------------------------------------------
+def push_snapshots(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    path_in_repo: str = DEFAULT_PATH_IN_REPO,
+    private: bool | None = None,
+    commit_message: str | None = None,
+    revision: str | None = None,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+) -> CommitInfo:
+    """Upload every snapshot in ``folder`` (plus the index and a model card) to ``repo_id`` in one commit.
+
+    The repo is created if missing. Snapshots already in the repo stay listed in the index, so pushing a training
+    run's folder again later adds the new snapshots (unchanged files are not uploaded twice).
+    """
+    local = list_snapshots(folder)
+    if not local:
+        raise ValueError(f"no snapshot files (phema-*.safetensors) in {folder}: nothing to push")
+    api = HfApi(endpoint=endpoint, token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    prefix = _clean_prefix(path_in_repo)
+    with tempfile.TemporaryDirectory() as cache_dir:  # the old index is read once, not kept
+        has_index = api.file_exists(repo_id, f"{prefix}{INDEX_FILENAME}", revision=revision)
+        old = _read_index(api, repo_id, revision, prefix, cache_dir) if has_index else []
+    entries = {entry.filename: entry for entry in old}
+    for info in local:
+        entries[info.path.name] = _entry_from_info(info)
+    ordered = sorted(entries.values(), key=lambda entry: (entry.time, entry.sigma_rel))
+    operations = [CommitOperationAdd(f"{prefix}{info.path.name}", str(info.path)) for info in local]
+    operations.append(CommitOperationAdd(f"{prefix}{INDEX_FILENAME}", _index_bytes(ordered)))
+    operations.append(CommitOperationAdd(f"{prefix}README.md", str(_snapshot_card(ordered, repo_id, prefix)).encode()))
+    times = sorted({info.time for info in local})
+    message = commit_message or f"Add {len(local)} post-hoc EMA snapshots (time {times[0]}..{times[-1]})"
+    return api.create_commit(repo_id, operations, commit_message=message, revision=revision)
+
+
+def push_reconstruction(
+    model_folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    sigma_rel: float | None = None,
+    source_repo: str | None = None,
+    path_in_repo: str = "",
+    private: bool | None = None,
+    commit_message: str | None = None,
+    revision: str | None = None,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+) -> CommitInfo:
+    """Upload a reconstructed diffusers model folder with a model card recording its ``sigma_rel``.
+
+    ``sigma_rel``, time and source snapshots come from the folder's ``phema.json`` (written by
+    ``save_reconstructed_models`` / ``reconstruct_from_hub(output_dir=...)``); pass ``sigma_rel`` for a folder
+    without it. ``path_in_repo`` places the model in a subfolder (``from_pretrained(repo_id, subfolder=...)``);
+    the card is written beside the model's ``config.json``.
+    """
+    model_folder = Path(model_folder)
+    config_path = model_folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"model_folder {model_folder} has no config.json: expected a diffusers model folder")
+    record = _read_provenance(model_folder, sigma_rel)
+    class_name = json.loads(config_path.read_text()).get("_class_name", "ModelMixin")
+    card = _reconstruction_card(repo_id, class_name, record, source_repo, path_in_repo)
+    api = HfApi(endpoint=endpoint, token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    prefix = _clean_prefix(path_in_repo)
+    operations = [
+        CommitOperationAdd(f"{prefix}{path.relative_to(model_folder).as_posix()}", str(path))
+        for path in sorted(model_folder.rglob("*"))
+        if path.is_file() and path.name != "README.md"
+    ]
+    operations.append(CommitOperationAdd(f"{prefix}README.md", str(card).encode()))
+    message = commit_message or f"Add {class_name} reconstructed with post-hoc EMA sigma_rel={record['sigma_rel']:g}"
+    return api.create_commit(repo_id, operations, commit_message=message, revision=revision)
+
+
+def _read_provenance(model_folder: Path, sigma_rel: float | None) -> dict[str, Any]:
+    """The folder's ``phema.json`` record, or a minimal one built from ``sigma_rel``."""
+    path = model_folder / PROVENANCE_FILENAME
+    if not path.is_file():
+        if sigma_rel is None:
+            raise ValueError(f"{model_folder} has no {PROVENANCE_FILENAME}: pass sigma_rel to record in the model card")
+        return {"sigma_rel": float(sigma_rel), "gamma": sigma_rel_to_gamma(float(sigma_rel))}
+    try:
+        record = json.loads(path.read_text())
+        recorded = float(record["sigma_rel"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path} is not a valid reconstruction record: {error!r}") from None
+    if sigma_rel is not None and abs(float(sigma_rel) - recorded) > 1e-12:
+        raise ValueError(f"sigma_rel={sigma_rel} contradicts {path}, which records sigma_rel={recorded}")
+    return {**record, "gamma": sigma_rel_to_gamma(recorded)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pull
+# ----------------------------------------------------------------------------------------------------------------
+def list_remote_snapshots(
+    repo_id: str,
+    *,
+    path_in_repo: str = DEFAULT_PATH_IN_REPO,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+) -> list[RemoteSnapshot]:
+    """Metadata of every snapshot in the repo, sorted by (time, sigma_rel), without downloading any snapshot.
+
+    One download of the index; one header read per snapshot the index does not list.
+    """
+    api = HfApi(endpoint=endpoint, token=token)
+    commit = api.repo_info(repo_id, revision=revision).sha
+    return _list_at_commit(api, repo_id, commit, _clean_prefix(path_in_repo), cache_dir)
+
+
+def select_snapshots(snapshots: Sequence[RemoteSnapshot], target_time: int | None = None) -> list[RemoteSnapshot]:
+    """The snapshots a reconstruction at ``target_time`` uses: those with ``0 < time <= target_time``.
+
+    ``target_time`` must be one of the snapshot times (default: the newest), as ``reconstruct_ema`` requires; it
+    is checked here so that a bad target fails before anything is downloaded.
+    """
+    times = sorted({snapshot.time for snapshot in snapshots if snapshot.time > 0})
+    if not times:
+        raise ValueError("no snapshots after time 0 to reconstruct from")
+    if target_time is None:
+        target_time = times[-1]
+    if target_time > times[-1]:
+        raise ValueError(f"target_time={target_time} is later than the newest snapshot (time {times[-1]})")
+    if target_time not in times:
+        raise ValueError(f"no snapshot at target_time={target_time}; snapshot times: {times}")
+    return [snapshot for snapshot in snapshots if 0 < snapshot.time <= target_time]
+
+
+def pull_snapshots(
+    repo_id: str,
+    *,
+    target_time: int | None = None,
+    path_in_repo: str = DEFAULT_PATH_IN_REPO,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+) -> list[SnapshotInfo]:
+    """Download only the snapshots a reconstruction at ``target_time`` needs; return their local headers.
+
+    The result (``SnapshotInfo`` with local ``path``) can be passed to ``reconstruct_ema`` as it is. Files go
+    through the Hub cache (``cache_dir``), so repeated pulls reuse them and an interrupted pull resumes. Every
+    file's header is checked against the metadata it was chosen by.
+    """
+    api = HfApi(endpoint=endpoint, token=token)
+    commit = api.repo_info(repo_id, revision=revision).sha
+    prefix = _clean_prefix(path_in_repo)
+    chosen = select_snapshots(_list_at_commit(api, repo_id, commit, prefix, cache_dir), target_time)
+    root = snapshot_download(
+        repo_id,
+        revision=commit,
+        allow_patterns=[f"{prefix}{snapshot.filename}" for snapshot in chosen],
+        cache_dir=cache_dir,
+        endpoint=endpoint,
+        token=token,
+    )
+    infos = []
+    for snapshot in chosen:
+        info = read_snapshot_info(Path(root) / f"{prefix}{snapshot.filename}")
+        if (info.time, info.sigma_rel) != (snapshot.time, snapshot.sigma_rel):
+            raise ValueError(
+                f"{repo_id}: {prefix}{snapshot.filename} holds time {info.time}, sigma_rel {info.sigma_rel}, but the "
+                f"index says time {snapshot.time}, sigma_rel {snapshot.sigma_rel}; push the snapshots again"
+            )
+        infos.append(info)
+    return infos
+
+
+def reconstruct_from_hub(
+    repo_id: str,
+    target_sigma_rels: Sequence[float],
+    target_time: int | None = None,
+    *,
+    output_dir: str | os.PathLike | None = None,
+    path_in_repo: str = DEFAULT_PATH_IN_REPO,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+    **reconstruct_kwargs: Any,
+) -> list[dict[str, Any]] | list[Path]:
+    """Pull the snapshots needed at ``target_time`` and reconstruct each target ``sigma_rel`` from them.
+
+    Without ``output_dir``: the ``state_dict``s from :func:`~diffusers_scalelong.ema.reconstruct_ema`. With it:
+    model folders written by :func:`~diffusers_scalelong.ema.save_reconstructed_models` (ready for
+    :func:`push_reconstruction`). ``reconstruct_kwargs`` (``dtype``, ``accumulate_dtype``, ``progress``, ...) are
+    passed on.
+    """
+    from .ema import reconstruct_ema, save_reconstructed_models
+
+    snapshots = pull_snapshots(
+        repo_id,
+        target_time=target_time,
+        path_in_repo=path_in_repo,
+        revision=revision,
+        cache_dir=cache_dir,
+        endpoint=endpoint,
+        token=token,
+    )
+    if output_dir is None:
+        return reconstruct_ema(snapshots, target_sigma_rels, target_time, **reconstruct_kwargs)
+    return save_reconstructed_models(snapshots, output_dir, target_sigma_rels, target_time, **reconstruct_kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------------
+def _clean_prefix(path_in_repo: str) -> str:
+    path = path_in_repo.strip("/")
+    if ".." in path.split("/"):
+        raise ValueError(f"path_in_repo must not contain '..', got {path_in_repo!r}")
+    return f"{path}/" if path else ""
+
+
+def _entry_from_info(info) -> RemoteSnapshot:
+    return RemoteSnapshot(
+        filename=info.path.name,
+        time=info.time,
+        time_unit=info.time_unit,
+        sigma_rel=info.sigma_rel,
+        gamma=info.gamma,
+        dtype=info.dtype,
+        model_class=info.model_class,
+        model_config=info.model_config,
+    )
+
+
+def _entry_from_header(filename: str, header: dict[str, str], where: str) -> RemoteSnapshot:
+    try:
+        meta = json.loads(header[METADATA_KEY])
+        if meta.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"format is {meta.get('format')!r}")
+        fields = {name: meta[name] for name in RemoteSnapshot.__dataclass_fields__ if name != "filename"}
+        return RemoteSnapshot(filename=filename, **fields)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{where} is not a post-hoc EMA snapshot (bad '{METADATA_KEY}' metadata: {error!r})") from None
+
+
+def _index_bytes(entries: Sequence[RemoteSnapshot]) -> bytes:
+    index = {
+        "format": INDEX_FORMAT,
+        "format_version": INDEX_FORMAT_VERSION,
+        "snapshots": [asdict(entry) for entry in entries],
+    }
+    return (json.dumps(index, indent=1) + "\n").encode()
+
+
+def _read_index(
+    api: HfApi, repo_id: str, revision: str | None, prefix: str, cache_dir: str | os.PathLike | None
+) -> list[RemoteSnapshot]:
+    """The snapshots listed in the repo's index file (which must exist)."""
+    path = api.hf_hub_download(repo_id, f"{prefix}{INDEX_FILENAME}", revision=revision, cache_dir=cache_dir)
+    where = f"{repo_id}/{prefix}{INDEX_FILENAME}"
+    try:
+        index = json.loads(Path(path).read_text())
+        if index.get("format") != INDEX_FORMAT or int(index["format_version"]) > INDEX_FORMAT_VERSION:
+            raise ValueError(f"unsupported format {index.get('format')!r} version {index.get('format_version')!r}")
+        return [RemoteSnapshot(**entry) for entry in index["snapshots"]]
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{where} is not a valid snapshot index: {error}") from None
+
+
+def _list_at_commit(
+    api: HfApi, repo_id: str, commit: str, prefix: str, cache_dir: str | os.PathLike | None
+) -> list[RemoteSnapshot]:
+    repo_files = api.list_repo_files(repo_id, revision=commit)
+    files = [
+        name.removeprefix(prefix)
+        for name in repo_files
+        if name.startswith(prefix) and FILENAME_PATTERN.match(name.removeprefix(prefix))
+    ]
+    if not files:
+        raise ValueError(
+            f"{repo_id}@{commit[:12]} has no post-hoc EMA snapshots (phema-*.safetensors) under "
+            f"'{prefix or '/'}'; push them with diffusers_scalelong.hub.push_snapshots"
+        )
+    has_index = f"{prefix}{INDEX_FILENAME}" in repo_files
+    indexed = (
+        {entry.filename: entry for entry in _read_index(api, repo_id, commit, prefix, cache_dir)} if has_index else {}
+    )
+    snapshots = []
+    for name in files:
+        if name not in indexed:  # pushed without the index: read the safetensors header (HTTP range request)
+            header = api.parse_safetensors_file_metadata(repo_id, f"{prefix}{name}", revision=commit).metadata
+            indexed[name] = _entry_from_header(name, header, f"{repo_id}/{prefix}{name}")
+        snapshots.append(indexed[name])
+    return sorted(snapshots, key=lambda entry: (entry.time, entry.sigma_rel))
+
+
+_SNAPSHOT_CARD = """---
+{{ card_data }}
+---
+
+# Post-hoc EMA snapshots
+
+{{ entries | length }} power-function EMA snapshots of {{ model_class }} (EDM2, arXiv 2312.02696), tracked with
+sigma_rel {{ sigma_rels | join(", ") }} at {{ num_times }} times ({{ first_time }} to {{ last_time }} {{ time_unit }}).
+Any EMA length in between can be reconstructed after training; only the snapshots up to the chosen time are
+downloaded:
+
+```python
+from diffusers_scalelong.hub import reconstruct_from_hub
+
+models = reconstruct_from_hub("{{ repo_id }}", target_sigma_rels=[0.08], path_in_repo="{{ path_in_repo }}")
+```
+
+| file | time | sigma_rel | gamma | dtype |
+|---|---|---|---|---|
+{% for entry in entries -%}
+| `{{ entry.filename }}` | {{ entry.time }} | {{ entry.sigma_rel }} | {{ "%.4f" | format(entry.gamma) }} | {{ entry.dtype }} |
+{% endfor %}"""
+
+_RECONSTRUCTION_CARD = """---
+{{ card_data }}
+---
+
+# {{ class_name }} with post-hoc EMA sigma_rel = {{ record.sigma_rel }}
+
+Weights reconstructed with post-hoc EMA (EDM2, arXiv 2312.02696)
+{%- if source_repo %} from the snapshots in `{{ source_repo }}`{% endif %}
+{%- if record.time is defined %} at time {{ record.time }} {{ record.time_unit }}{% endif %}: the power-function
+average with relative width sigma_rel = {{ record.sigma_rel }} (exponent gamma = {{ "%.4f" | format(record.gamma) }}).
+{%- if record.snapshots is defined %}
+It combines {{ record.snapshots | length }} snapshots; the reconstructed averaging profile differs from the exact one
+by {{ "%.2e" | format(record.relative_profile_error) }} (relative L2).
+{%- endif %}
+
+```python
+{{ import_lines }}
+
+model = {{ class_name }}.from_pretrained("{{ repo_id }}"{{ subfolder_arg }})
+```
+"""
+
+
+def _snapshot_card(entries: Sequence[RemoteSnapshot], repo_id: str, prefix: str) -> ModelCard:
+    sigma_rels = sorted({entry.sigma_rel for entry in entries})
+    times = sorted({entry.time for entry in entries})
+    data = ModelCardData(tags=TAGS, phema_sigma_rels=sigma_rels, phema_times=[times[0], times[-1]])
+    return ModelCard.from_template(
+        data,
+        template_str=_SNAPSHOT_CARD,
+        entries=entries,
+        model_class=entries[-1].model_class or "the model",
+        sigma_rels=sigma_rels,
+        num_times=len(times),
+        first_time=times[0],
+        last_time=times[-1],
+        time_unit=entries[-1].time_unit,
+        repo_id=repo_id,
+        path_in_repo=prefix.rstrip("/"),
+    )
+
+
+def _reconstruction_card(
+    repo_id: str, class_name: str, record: dict[str, Any], source_repo: str | None, path_in_repo: str
+) -> ModelCard:
+    import diffusers
+
+    extra = {
+        "ema_time": record.get("time"),
+        "ema_num_snapshots": len(record["snapshots"]) if "snapshots" in record else None,
+        "ema_source": source_repo,
+    }
+    data = ModelCardData(
+        library_name="diffusers",
+        tags=TAGS,
+        ema_sigma_rel=record["sigma_rel"],
+        ema_gamma=round(record["gamma"], 6),
+        **{key: value for key, value in extra.items() if value is not None},
+    )
+    if hasattr(diffusers, class_name):
+        import_lines = f"from diffusers import {class_name}"
+    else:
+        import_lines = (
+            "import diffusers_scalelong  # registers the package's classes with diffusers\n"
+            f"from diffusers_scalelong.models import {class_name}"
+        )
+    subfolder = path_in_repo.strip("/")
+    return ModelCard.from_template(
+        data,
+        template_str=_RECONSTRUCTION_CARD,
+        class_name=class_name,
+        record=record,
+        source_repo=source_repo,
+        import_lines=import_lines,
+        repo_id=repo_id,
+        subfolder_arg=f', subfolder="{subfolder}"' if subfolder else "",
+    )
