@@ -1,0 +1,122 @@
+"""Training images: load a dataset through :mod:`diffusers_scalelong.data`, check it, wrap it for a DataLoader."""
+
+import datasets
+import torch
+
+from ..data import ImageTransform, load_image_dataset
+from .rng import item_generator
+
+_MAX_IMAGES_CHECKED = 512
+
+
+def _describe_source(dataset_name: str | None, train_data_dir: str | None) -> str:
+    if train_data_dir is not None:
+        return f"--train_data_dir {train_data_dir!r}"
+    if dataset_name is not None:
+        return f"--dataset_name {dataset_name!r}"
+    return "the embedded Fashion-MNIST test split"
+
+
+def load_training_dataset(
+    dataset_name: str | None = None,
+    train_data_dir: str | None = None,
+    split: str = "train",
+    image_column: str | None = None,
+    label_column: str | None = None,
+    resolution: int = 32,
+    class_conditional: bool = False,
+    allow_upscaling: bool = False,
+    max_train_samples: int | None = None,
+) -> datasets.Dataset:
+    """Load and check the training images; every problem raises ``ValueError`` naming the option or file.
+
+    Checks: the source loads and has an image column; it holds at least one image; with ``class_conditional``
+    it has integer labels; user-supplied images (up to 512, spread over the dataset) are at least ``resolution``
+    pixels on the shorter side unless ``allow_upscaling`` (the embedded 28x28 Fashion-MNIST is always upscaled,
+    as the package's default transform does).
+    """
+    source = _describe_source(dataset_name, train_data_dir)
+    try:
+        dataset = load_image_dataset(
+            dataset_name=dataset_name,
+            train_data_dir=train_data_dir,
+            split=split,
+            image_column=image_column,
+            label_column=label_column,
+        )
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from error
+    except (FileNotFoundError, OSError) as error:
+        raise ValueError(f"{source} could not be loaded: {error}") from error
+    except Exception as error:  # datasets raises its own error types for folders without data files
+        raise ValueError(f"{source} could not be loaded as an image dataset: {error}") from error
+    if len(dataset) == 0:
+        raise ValueError(f"{source} contains no images")
+    if max_train_samples is not None:
+        dataset = dataset.select(range(min(max_train_samples, len(dataset))))
+    if class_conditional:
+        if "label" not in dataset.column_names:
+            raise ValueError(f"--class_conditional needs labels, but {source} has no label column (--label_column)")
+        if not isinstance(dataset.features["label"], datasets.ClassLabel | datasets.Value):
+            raise ValueError(f"--class_conditional: the label column of {source} is not a class label")
+    if dataset_name is not None or train_data_dir is not None:
+        _check_image_sizes(dataset, resolution, allow_upscaling, source)
+    return dataset
+
+
+def _check_image_sizes(dataset: datasets.Dataset, resolution: int, allow_upscaling: bool, source: str) -> None:
+    step = max(len(dataset) // _MAX_IMAGES_CHECKED, 1)
+    for index in range(0, len(dataset), step)[:_MAX_IMAGES_CHECKED]:
+        try:
+            image = dataset[index]["image"]
+        except Exception as error:
+            raise ValueError(f"{source}: image #{index} cannot be decoded: {error}") from error
+        if image is None:
+            raise ValueError(f"{source}: row #{index} has no image")
+        if not allow_upscaling and min(image.size) < resolution:
+            raise ValueError(
+                f"{source}: image #{index} is {image.size[0]}x{image.size[1]}, smaller than --resolution {resolution}; "
+                "lower --resolution or pass --allow_upscaling"
+            )
+
+
+def num_classes(dataset: datasets.Dataset) -> int:
+    """Number of classes of the ``label`` column (``ClassLabel`` names, else max label + 1)."""
+    feature = dataset.features["label"]
+    if isinstance(feature, datasets.ClassLabel):
+        return feature.num_classes
+    return int(max(dataset["label"])) + 1
+
+
+def infer_channels(dataset: datasets.Dataset) -> int:
+    """1 when the first image is greyscale, else 3 (what :class:`ImageTransform` produces with ``channels=None``)."""
+    return ImageTransform(resolution=1, center_crop=True)(dataset[0]["image"]).shape[0]
+
+
+class TrainingImages(torch.utils.data.Dataset):
+    """Map-style dataset yielding ``{"pixel_values": [C, H, W] in [-1, 1]}`` (plus ``"class_labels"``).
+
+    Random crops and flips of image ``i`` in epoch ``e`` come from a generator seeded by ``(seed, e, i)``, so they
+    do not depend on loading order, prefetching or worker processes (``set_epoch`` is called by Accelerate).
+    """
+
+    def __init__(self, dataset: datasets.Dataset, transform: ImageTransform, with_labels: bool = False, seed: int = 0):
+        self.dataset = dataset
+        self.transform = transform
+        self.with_labels = with_labels
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.dataset[int(index)]
+        self.transform.generator = item_generator(self.seed, self.epoch, int(index))
+        item = {"pixel_values": self.transform(row["image"])}
+        if self.with_labels:
+            item["class_labels"] = torch.tensor(int(row["label"]))
+        return item

@@ -1,0 +1,103 @@
+"""EMA bookkeeping of a training run: post-hoc (power-function) EMA with snapshots, and diffusers' classic EMA.
+
+Only the main process keeps averages and writes snapshots; the other processes hold nothing.
+"""
+
+import copy
+import os
+from pathlib import Path
+
+from diffusers.training_utils import EMAModel
+from torch import nn
+
+from ..ema import PowerFunctionEMA
+
+POSTHOC_STATE_FILE = "posthoc_ema.safetensors"
+CLASSIC_EMA_FOLDER = "unet_ema"
+
+
+class TrainingEMA:
+    """The EMAs of one UNet during training.
+
+    Args:
+        unet: the live (unwrapped) UNet.
+        sigma_rels: post-hoc EMA profiles to track (empty: none).
+        snapshot_dir / snapshot_every: where and every how many steps to write post-hoc snapshots.
+        use_classic: also keep ``diffusers.training_utils.EMAModel`` with ``classic_kwargs``.
+        enabled: False on non-main processes.
+    """
+
+    def __init__(
+        self,
+        unet: nn.Module,
+        sigma_rels: tuple[float, ...] = (),
+        snapshot_dir: str | os.PathLike | None = None,
+        snapshot_every: int | None = None,
+        use_classic: bool = False,
+        classic_kwargs: dict | None = None,
+        enabled: bool = True,
+    ):
+        self.enabled = enabled
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.snapshot_every = snapshot_every
+        self.posthoc = PowerFunctionEMA(unet, sigma_rels, device="cpu") if enabled and sigma_rels else None
+        self.classic = None
+        if enabled and use_classic:
+            self.classic = EMAModel(
+                unet.parameters(),
+                use_ema_warmup=True,
+                model_cls=type(unet),
+                model_config=unet.config,
+                **(classic_kwargs or {}),
+            )
+
+    def update(self, unet: nn.Module, step: int) -> None:
+        """Fold the weights after optimiser step ``step`` into every EMA."""
+        if self.posthoc is not None:
+            self.posthoc.update(unet, step)
+        if self.classic is not None:
+            self.classic.step(unet.parameters())
+
+    def maybe_snapshot(self, step: int, final: bool = False) -> list[str]:
+        """Write post-hoc snapshots at multiples of ``snapshot_every`` (and at the final step)."""
+        if self.posthoc is None or self.snapshot_dir is None or self.snapshot_every is None:
+            return []
+        if step % self.snapshot_every and not final:
+            return []
+        return self.posthoc.save_snapshots(str(self.snapshot_dir), step)
+
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write the EMA state into a checkpoint folder (safetensors files only)."""
+        if self.posthoc is not None:
+            self.posthoc.save_state(os.path.join(folder, POSTHOC_STATE_FILE))
+        if self.classic is not None:
+            self.classic.save_pretrained(os.path.join(folder, CLASSIC_EMA_FOLDER))
+
+    def load(self, folder: str | os.PathLike, unet: nn.Module) -> None:
+        """Restore the state :meth:`save` wrote; a checkpoint without it raises ``ValueError``."""
+        if self.posthoc is not None:
+            self.posthoc.load_state(os.path.join(folder, POSTHOC_STATE_FILE))
+        if self.classic is not None:
+            path = os.path.join(folder, CLASSIC_EMA_FOLDER)
+            if not os.path.isdir(path):
+                raise ValueError(
+                    f"checkpoint {str(folder)!r} has no classic EMA ({CLASSIC_EMA_FOLDER}/); it was trained without --use_ema"
+                )
+            loaded = EMAModel.from_pretrained(path, model_cls=type(unet))
+            loaded.to(next(unet.parameters()).device)
+            self.classic = loaded
+
+    def export_unet(self, unet: nn.Module) -> nn.Module:
+        """The UNet to sample from and to save: a copy holding the classic EMA if kept, else ``unet`` itself."""
+        if self.classic is None:
+            return unet
+        averaged = copy.deepcopy(unet)
+        self.classic.copy_to(averaged.parameters())
+        return averaged.eval().requires_grad_(False)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+__all__ = ["TrainingEMA", "count_parameters"]
