@@ -251,7 +251,8 @@ def save_reconstructed_models(
             if model_class is not None:
                 model = model_class.from_config(info.model_config)
                 model.load_state_dict(state, strict=True)
-                model.to(dtype).save_pretrained(folder, safe_serialization=True)
+                torch.nn.Module.to(model, dtype)  # plain cast: every tensor in the requested dtype
+                model.save_pretrained(folder, safe_serialization=True)
             else:
                 atomic_save_file(state, folder / "model.safetensors", {"format": "pt"})
             record = _provenance(plan, sigma_rel, gamma, column, error, dtype)
