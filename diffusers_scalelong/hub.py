@@ -11,13 +11,16 @@ Why an index file: a reconstruction needs the time stamp and ``sigma_rel`` of ev
 which ones to download. Reading them from the safetensors headers costs one HTTP range request per snapshot, and a
 server that ignores ``Range`` (olah's local mirrors do) then sends whole files. The index answers in one request.
 It is only a cache of the headers: snapshot files that the index does not list (pushed by other means) are read
-through their headers with :meth:`huggingface_hub.HfApi.get_safetensors_metadata`, and every downloaded file's own
-header is checked against the index before it is used.
+through their headers with :meth:`huggingface_hub.HfApi.parse_safetensors_file_metadata` (a range request), and
+every downloaded file's own header is checked against the index before it is used.
 
-:func:`pull_snapshots` downloads only the snapshots a reconstruction at ``target_time`` needs (all snapshots with
-time <= ``target_time``; by default the newest time), through the Hub cache, so an interrupted download resumes
-where it stopped (``huggingface_hub`` keeps the partial ``.incomplete`` file and asks for the remaining bytes).
-:func:`reconstruct_from_hub` pulls and calls :func:`diffusers_scalelong.ema.reconstruct_ema`.
+:func:`pull_snapshots` downloads only the snapshots a reconstruction at ``target_time`` needs (those with
+``0 < time <= target_time``; by default the newest time) through the Hub cache. Interrupted pulls resume at two
+levels: a transfer cut mid-file is retried by ``huggingface_hub`` with a ``Range`` request for the missing bytes,
+and a pull that was stopped (killed, Ctrl-C) fetches only the snapshots not yet complete in the cache when run
+again (``huggingface_hub`` 2.x downloads each file to a per-process temporary file and drops it if the process
+dies, so the partial file itself is not reused across processes).
+:func:`reconstruct_from_hub` pulls and calls :func:`diffusers_scalelong.ema.reconstruct_ema` on exactly those files.
 :func:`push_reconstruction` uploads a reconstructed diffusers model folder with a model card recording its
 ``sigma_rel``.
 
@@ -87,9 +90,10 @@ def push_snapshots(
     api = HfApi(endpoint=endpoint, token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     prefix = _clean_prefix(path_in_repo)
+    head = api.repo_info(repo_id, revision=revision).sha
     with tempfile.TemporaryDirectory() as cache_dir:  # the old index is read once, not kept
-        has_index = api.file_exists(repo_id, f"{prefix}{INDEX_FILENAME}", revision=revision)
-        old = _read_index(api, repo_id, revision, prefix, cache_dir) if has_index else []
+        has_index = api.file_exists(repo_id, f"{prefix}{INDEX_FILENAME}", revision=head)
+        old = _read_index(api, repo_id, head, prefix, cache_dir) if has_index else []
     entries = {entry.filename: entry for entry in old}
     for info in local:
         entries[info.path.name] = _entry_from_info(info)
@@ -99,7 +103,8 @@ def push_snapshots(
     operations.append(CommitOperationAdd(f"{prefix}README.md", str(_snapshot_card(ordered, repo_id, prefix)).encode()))
     times = sorted({info.time for info in local})
     message = commit_message or f"Add {len(local)} post-hoc EMA snapshots (time {times[0]}..{times[-1]})"
-    return api.create_commit(repo_id, operations, commit_message=message, revision=revision)
+    # parent_commit: a concurrent push in between makes this commit fail instead of dropping its index entries
+    return api.create_commit(repo_id, operations, commit_message=message, revision=revision, parent_commit=head)
 
 
 def push_reconstruction(

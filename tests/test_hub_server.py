@@ -149,3 +149,21 @@ def test_diffusers_from_pretrained_by_repo_id_in_subprocess(local_hub, tmp_path)
         if "/tiny-unet/resolve/" in r["path"]
     ]
     assert ("GET", "diffusion_pytorch_model.safetensors", 200) in served
+
+
+def test_commit_on_a_stale_parent_is_refused(local_hub, tmp_path):
+    from huggingface_hub import CommitOperationAdd
+
+    api = HfApi(endpoint=local_hub.endpoint)
+    api.create_repo("tester/parent-check")
+    base = api.repo_info("tester/parent-check", revision="main").sha
+    api.create_commit("tester/parent-check", [CommitOperationAdd("a.txt", b"first")], commit_message="first")
+    with pytest.raises(HfHubHTTPError) as stale:
+        api.create_commit(
+            "tester/parent-check", [CommitOperationAdd("a.txt", b"second")], commit_message="x", parent_commit=base
+        )
+    assert stale.value.response.status_code == 412
+    path = hf_hub_download(
+        "tester/parent-check", "a.txt", revision="main", endpoint=local_hub.endpoint, cache_dir=tmp_path
+    )
+    assert open(path, "rb").read() == b"first"
