@@ -165,23 +165,30 @@ def test_snapshot_set_model_card(local_hub, snapshot_folder, tmp_path):
 
 
 def test_reconstructed_model_is_pushed_with_a_card_recording_sigma_rel(local_hub, snapshot_folder, tmp_path):
-    [folder] = save_reconstructed_models(snapshot_folder, tmp_path / "out", [0.075])
+    source = "tester/phema-for-model"
+    hub.push_snapshots(snapshot_folder, source, endpoint=local_hub.endpoint)
+    [folder] = hub.reconstruct_from_hub(
+        source, [0.075], output_dir=tmp_path / "out", endpoint=local_hub.endpoint, cache_dir=tmp_path / "cache"
+    )
+    [local] = save_reconstructed_models(snapshot_folder, tmp_path / "local", [0.075])
+    weights_file = "diffusion_pytorch_model.safetensors"
+    assert _sha256(folder / weights_file) == _sha256(local / weights_file)
     repo_id = "tester/unet-ema-0.075"
-    hub.push_reconstruction(folder, repo_id, source_repo="tester/phema-pull", endpoint=local_hub.endpoint)
+    hub.push_reconstruction(folder, repo_id, source_repo=source, endpoint=local_hub.endpoint)
 
     card_path = hf_hub_download(repo_id, "README.md", revision="main", endpoint=local_hub.endpoint, cache_dir=tmp_path)
     card = ModelCard.load(card_path)
     record = json.loads((folder / "phema.json").read_text())
     assert card.data.ema_sigma_rel == 0.075
-    assert card.data.ema_gamma == pytest.approx(record["gamma"], rel=1e-6)
+    gamma = card.data.ema_gamma  # sigma_rel of the power profile with this exponent (EDM2, section 3)
+    assert ((gamma + 1) / ((gamma + 2) ** 2 * (gamma + 3))) ** 0.5 == pytest.approx(0.075, rel=1e-5)
+    assert gamma == pytest.approx(record["gamma"], rel=1e-6)
     assert card.data.ema_time == TIMES[-1] and card.data.ema_num_snapshots == len(record["snapshots"])
-    assert card.data.library_name == "diffusers" and card.data.ema_source == "tester/phema-pull"
+    assert card.data.library_name == "diffusers" and card.data.ema_source == source
     assert "sigma_rel = 0.075" in card.text and f'UNet2DModel.from_pretrained("{repo_id}")' in card.text
 
-    weights = hf_hub_download(
-        repo_id, "diffusion_pytorch_model.safetensors", revision="main", endpoint=local_hub.endpoint, cache_dir=tmp_path
-    )
-    assert _sha256(weights) == _sha256(folder / "diffusion_pytorch_model.safetensors")
+    weights = hf_hub_download(repo_id, weights_file, revision="main", endpoint=local_hub.endpoint, cache_dir=tmp_path)
+    assert _sha256(weights) == _sha256(folder / weights_file)
 
 
 def test_push_reconstruction_needs_a_model_folder_and_a_known_sigma_rel(local_hub, tmp_path):
