@@ -136,3 +136,19 @@ def test_rejects_unsupported_models_and_options():
         StabilityDiagnostics(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="every_n_steps"):
         StabilityDiagnostics(UNet2DModel(**UNET_CONFIG), every_n_steps=0)
+
+
+def test_logs_to_an_accelerate_tracker(tmp_path):
+    from accelerate import Accelerator
+
+    model = UViT2DModel(sample_size=8, patch_size=2, in_channels=1, embed_dim=16, depth=2, num_heads=2)
+    diagnostics = StabilityDiagnostics(model, every_n_steps=1)
+    accelerator = Accelerator(log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("stability")
+    sample, timesteps = torch.randn(2, 1, 8, 8), torch.tensor([5.0, 600.0])
+    for step in range(2):
+        _, logs = _recorded_step(model, diagnostics, sample, timesteps, step)
+        assert logs and all(isinstance(value, float) for value in logs.values())
+        accelerator.log(logs, step=step)
+    accelerator.end_training()
+    assert list((tmp_path / "stability").glob("events.out.tfevents.*"))

@@ -365,3 +365,21 @@ def test_mismatched_skips_raise_value_errors():
     wrong_width = tuple(torch.randn(1, 4, 4, 4) for _ in range(3))
     with pytest.raises(ValueError, match="lsc_method LS channel gate"):
         model.up_blocks[0](hidden, wrong_width, temb)
+
+
+def test_condition_unet_checkpoints_cross_load_both_ways(tmp_path):
+    vanilla = UNet2DConditionModel(**COND_CONFIG).eval()
+    vanilla.save_pretrained(tmp_path / "vanilla")
+    model = ScaleLongUNet2DConditionModel.from_pretrained(tmp_path / "vanilla", lsc_method="inv_sqrt2")
+    reference = _scale_skips_by_wrapping(copy.deepcopy(vanilla), [[2**-0.5] * 2] * 2)
+    sample, timestep = _inputs(channels=4)
+    text = torch.randn(2, 5, 8)
+    model.save_pretrained(tmp_path / "scalelong")
+    back = UNet2DConditionModel.from_pretrained(tmp_path / "scalelong")
+    with torch.no_grad():
+        out = model(sample, timestep, encoder_hidden_states=text).sample
+        assert torch.equal(out, reference(sample, timestep, encoder_hidden_states=text).sample)
+        assert torch.equal(
+            back(sample, timestep, encoder_hidden_states=text).sample,
+            vanilla(sample, timestep, encoder_hidden_states=text).sample,
+        )
