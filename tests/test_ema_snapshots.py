@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import diffusers_scalelong
-from diffusers_scalelong.ema import PowerFunctionEMA, list_snapshots, sigma_rel_to_gamma
+from diffusers_scalelong.ema import PowerFunctionEMA, list_snapshots, parse_snapshot_filename, sigma_rel_to_gamma
 from diffusers_scalelong.ema import snapshots as snapshots_module
 
 
@@ -27,6 +27,8 @@ def test_snapshot_names_metadata_and_tensors(tmp_path):
         "phema-0000000020-0.050.safetensors",
         "phema-0000000020-0.100.safetensors",
     ]
+    assert parse_snapshot_filename(names[1]) == (10, 0.1)
+    assert parse_snapshot_filename(".phema-0000000010-0.100.safetensors.x1.tmp") is None
     infos = list_snapshots(tmp_path)
     assert [(i.time, i.sigma_rel) for i in infos] == [(10, 0.05), (10, 0.10), (20, 0.05), (20, 0.10)]
     info = infos[-1]

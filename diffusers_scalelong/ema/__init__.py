@@ -27,7 +27,7 @@ from .reconstruct import (
     resolve_model_class,
     save_reconstructed_models,
 )
-from .snapshots import SnapshotInfo, list_snapshots, read_snapshot_info, snapshot_filename
+from .snapshots import SnapshotInfo, list_snapshots, parse_snapshot_filename, read_snapshot_info, snapshot_filename
 from .tracker import PowerFunctionEMA, unwrap_model
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "SnapshotInfo",
     "gamma_to_sigma_rel",
     "list_snapshots",
+    "parse_snapshot_filename",
     "plan_reconstruction",
     "profile_inner_products",
     "read_snapshot_info",

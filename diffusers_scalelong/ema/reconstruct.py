@@ -146,7 +146,9 @@ def _accumulate(
         try:
             with safe_open(str(info.path), framework="pt") as f:
                 for key in averaged_keys:
-                    tensor = f.get_tensor(key).to(accumulate_dtype)
+                    tensor = f.get_tensor(key)
+                    if len(outputs) > 1:  # convert once; with one target the mixed-dtype add is faster
+                        tensor = tensor.to(accumulate_dtype)
                     for output, weight in zip(outputs, row, strict=True):
                         output[key].add_(tensor, alpha=weight)
                 if info is last:

@@ -19,6 +19,12 @@ parameters plus copied buffers) and, in the header metadata under the key ``"phe
 
 Files are written to a temporary name in the target folder and renamed into place, so a reader never sees a
 half-written snapshot. ``list_snapshots`` reads only the safetensors headers.
+
+For tools that move snapshots (e.g. to and from a Hub repository): the file name alone gives the time and the
+(rounded) sigma_rel (``parse_snapshot_filename``), so a reconstruction at time ``T`` needs exactly the files with
+time ``<= T``; the reconstruction functions accept a folder or any list of ``SnapshotInfo``; a reconstructed model
+folder carries ``phema.json`` (sigma_rel, gamma, time, time_unit, dtype, relative_profile_error, the snapshots and
+their coefficients, library_version) for model cards. The names and the metadata keys above are stable.
 """
 
 from __future__ import annotations
@@ -65,6 +71,15 @@ def snapshot_filename(time: int, sigma_rel: float) -> str:
     if float(label) != sigma_rel:
         label = f"{sigma_rel:.6f}"
     return f"phema-{int(time):010d}-{label}.safetensors"
+
+
+def parse_snapshot_filename(name: str) -> tuple[int, float] | None:
+    """``(time, sigma_rel)`` encoded in a snapshot file name (sigma_rel rounded as in the name), else ``None``.
+
+    Lets a caller choose which files to fetch (e.g. those with ``time <= target``) before reading any of them.
+    """
+    match = FILENAME_PATTERN.match(Path(name).name)
+    return None if match is None else (int(match.group(1)), float(match.group(2)))
 
 
 def storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype:

@@ -140,7 +140,10 @@ class PowerFunctionEMA:
         raise ValueError(f"sigma_rel {sigma_rel!r} is not tracked; tracked: {list(self.sigma_rels)}")
 
     def averaged_state_dict(self, sigma_rel: float, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """A model ``state_dict`` with the averaged parameters (cast to ``dtype`` if given) and copied buffers."""
+        """A model ``state_dict`` with the averaged parameters (cast to ``dtype`` if given) and copied buffers.
+
+        Without ``dtype`` the tensors are the tracker's own: read them, do not modify them in place.
+        """
         if self.last_step is None:
             raise ValueError("no update yet: call update(model, step) before reading an average")
         averages = self.averages[self.profile_index(sigma_rel)]
