@@ -8,9 +8,8 @@ import torch
 from diffusers import EDMEulerScheduler, UNet2DModel
 
 from diffusers_scalelong.edm2 import EDMPreconditioner, LearnedUncertainty
-from diffusers_scalelong.layers import mp_cat
 from diffusers_scalelong.models import EDM2UNet2DModel
-from diffusers_scalelong.models.edm2_unet import scaled_concat_balance
+from diffusers_scalelong.scalelong import ChannelGate
 
 TINY = dict(
     sample_size=16,
@@ -71,7 +70,7 @@ def test_config_g_structure_of_the_s_preset():
     # 4 levels: conv + 3 blocks at 64, then down + 3 blocks at 32, 16, 8 -> 16 skips; decoder 2 + 3 * (1 + 4) + 4.
     assert len(unet.encoder_blocks) == 3 + 3 * 4
     assert len(unet.decoder_blocks) == 2 + 4 + 3 * 5
-    assert sum(balance is not None for balance in unet._skip_balances) == 16
+    assert sorted(i for i in unet._skip_index if i is not None) == list(range(16))
     attention = [block.num_heads for block in unet.decoder_blocks]
     assert attention[0] == 768 // 64  # the innermost decoder block always attends
     assert unet.conv_in.weight.shape == (192, 5, 3, 3)  # 4 latent channels + the constant ones channel
@@ -139,7 +138,7 @@ def test_save_load_round_trip(tmp_path):
     x, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 4])
     with torch.no_grad():
         torch.testing.assert_close(loaded(x, 0.1, labels).sample, model(x, 0.1, labels).sample, atol=5e-5, rtol=0)
-    assert loaded._skip_balances == model._skip_balances
+    assert loaded._skip_scales == model._skip_scales
 
 
 def test_preconditioner_round_trip_keeps_the_uncertainty_head(tmp_path):
@@ -238,36 +237,50 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(row_rms, torch.ones_like(row_rms))
 
 
-def test_lsc_none_is_exactly_edm2_and_cs_reweights_each_skip():
+def test_lsc_none_is_exactly_edm2_and_cs_scales_each_skip_by_its_coefficient():
     plain, none = tiny_model(), tiny_model(lsc_method="none")
-    assert plain._skip_balances == none._skip_balances
-    assert [b for b in plain._skip_balances if b is not None] == [0.5] * 4
+    assert plain._skip_scales == none._skip_scales == [1.0] * 4
+    # 4 skips (conv_in, block, down, block), outermost first: kappa^0 ... kappa^3; consumed innermost first.
     scaled = tiny_model(lsc_method="cs", lsc_kappa=0.5)
-    # 4 skips (conv_in, block, down, block), consumed innermost first: kappa^3 ... kappa^0 (outermost unscaled).
-    expected = [scaled_concat_balance(0.5, 0.5**i) for i in (3, 2, 1, 0)]
-    assert [b for b in scaled._skip_balances if b is not None] == pytest.approx(expected)
+    assert scaled._skip_scales == [1.0, 0.5, 0.25, 0.125]
+    assert [i for i in scaled._skip_index if i is not None] == [3, 2, 1, 0]
+    assert scaled.state_dict().keys() == plain.state_dict().keys()
     scaled.load_state_dict(plain.state_dict())
     randomize_gains(plain), randomize_gains(scaled)
     x = torch.randn(1, 3, 16, 16)
     with torch.no_grad():
         assert not torch.allclose(plain(x, 0.0).sample, scaled(x, 0.0).sample)
+        # The innermost skip's share of the first skip-taking decoder block's input shrinks by kappa^3.
+        captured = {}
+        for model, key in [(plain, "plain"), (scaled, "scaled")]:
+            block = model.decoder_blocks[2]
+            hook = block.register_forward_pre_hook(lambda mod, args, key=key: captured.__setitem__(key, args[0]))
+            model(x, 0.0)
+            hook.remove()
+    width = plain.decoder_blocks[1].out_channels
+    ratio = lambda h: h[:, width:].square().sum() / h[:, :width].square().sum()  # noqa: E731
+    assert (ratio(captured["scaled"]) / ratio(captured["plain"])).item() == pytest.approx(0.125**2, rel=1e-4)
 
 
-def test_scaled_concat_balance_equals_mp_cat_of_a_kappa_weighted_skip():
-    a, b = torch.randn(2, 6, 4, 4), torch.randn(2, 10, 4, 4)
-    t, kappa = 0.4, 0.3
-    out = mp_cat(a, b, t=scaled_concat_balance(t, kappa))
-    # Direct: weights (1 - t) and kappa t per channel-normalised part, jointly rescaled to unit magnitude.
-    wa, wb = (1 - t) / math.sqrt(6), kappa * t / math.sqrt(10)
-    joint = math.sqrt(16 / ((1 - t) ** 2 + (kappa * t) ** 2))
-    torch.testing.assert_close(out, torch.cat([joint * wa * a, joint * wb * b], dim=1))
-    assert scaled_concat_balance(t, 1.0) == t
+@pytest.mark.parametrize("method", ["ls", "ls_nonshared"])
+def test_learnable_lsc_gates_the_skips_and_trains(method, tmp_path):
+    model = randomize_gains(tiny_model(lsc_method=method, lsc_reduction=4))
+    gates = list(model.lsc.gates)
+    assert all(isinstance(gate, ChannelGate) for gate in gates)
+    assert len(gates) == (2 if method == "ls" else 4)  # ls shares one gate per skip width (16 and 32 here)
+    model(torch.randn(2, 3, 16, 16), 0.0).sample.square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for gate in gates for p in gate.parameters())
+    model.eval().save_pretrained(tmp_path)
+    loaded = EDM2UNet2DModel.from_pretrained(tmp_path).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, 0.3).sample, model(x, 0.3).sample)
 
 
 def test_signature_accepts_every_documented_option():
     params = inspect.signature(EDM2UNet2DModel.__init__).parameters
     for name in ["channel_mult", "attention_resolutions", "res_balance", "attn_balance", "concat_balance",
-                 "label_balance", "channels_per_head", "clip_act", "lsc_method", "lsc_kappa"]:  # fmt: skip
+                 "label_balance", "channels_per_head", "clip_act", "lsc_method", "lsc_kappa", "lsc_reduction"]:  # fmt: skip
         assert name in params
     shared = {"sample_size", "in_channels", "out_channels", "layers_per_block", "num_class_embeds", "dropout"}
     assert shared <= set(inspect.signature(UNet2DModel.__init__).parameters)

@@ -10,6 +10,7 @@ from diffusers_scalelong.layers import (
     Block,
     MPConv,
     MPFourier,
+    cached_weight_normalization,
     mp_cat,
     mp_silu,
     mp_sum,
@@ -62,6 +63,27 @@ def test_mp_cat_preserves_unit_rms_and_splits_energy_by_balance(t):
     energy_a = out[:, :32].pow(2).sum().item()
     energy_b = out[:, 32:].pow(2).sum().item()
     assert energy_b / energy_a == pytest.approx(t**2 / (1 - t) ** 2, rel=0.02)
+
+
+def test_mp_cat_skip_scale_shrinks_the_share_of_b_and_keeps_unit_rms():
+    a, b = torch.randn(32, 24, 8, 8), torch.randn(32, 40, 8, 8)
+    t, kappa = 0.4, 0.3
+    out = mp_cat(a, b, t=t, b_scale=kappa)
+    assert rms(out) == pytest.approx(1.0, abs=0.01)
+    # Direct: weights (1 - t) and kappa t per channel-normalised part, jointly rescaled to unit magnitude.
+    joint = math.sqrt(64 / ((1 - t) ** 2 + (kappa * t) ** 2))
+    expected = torch.cat([joint * (1 - t) / math.sqrt(24) * a, joint * kappa * t / math.sqrt(40) * b], dim=1)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(mp_cat(a, b, t=t, b_scale=1.0), mp_cat(a, b, t=t))
+    # A per-sample, per-channel gate: a constant gate equals the scalar; a random gate keeps unit RMS per sample.
+    torch.testing.assert_close(mp_cat(a, b, t=t, b_scale=torch.full((32, 40, 1, 1), kappa)), out)
+    gate = torch.rand(32, 40, 1, 1)
+    gated = mp_cat(a, b, t=t, b_scale=gate)
+    per_sample = gated.square().mean(dim=(1, 2, 3)).sqrt()
+    torch.testing.assert_close(per_sample, torch.ones(32), atol=0.06, rtol=0)
+    torch.testing.assert_close(
+        gated[:, 24:] / b, (gated[:, 24:25] / b[:, :1]) * gate / gate[:, :1], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_mp_fourier_features_have_unit_rms_and_are_fixed_buffers():
@@ -118,6 +140,27 @@ def test_forced_weight_normalization_in_training_mode_only():
     projected = layer.weight.detach().clone()
     layer(torch.randn(1, 8, 4, 4))
     torch.testing.assert_close(layer.weight.detach(), projected, atol=0, rtol=1e-6)
+
+
+def test_cached_weight_normalization_is_scoped_exact_and_follows_in_place_updates():
+    layer = MPConv(6, 4, kernel=(3, 3)).eval()
+    x = torch.randn(2, 6, 5, 5)
+    with torch.no_grad():
+        expected = layer(x, gain=0.7)
+        assert layer._cached_weight is None
+        with cached_weight_normalization(layer):
+            torch.testing.assert_close(layer(x, gain=0.7), expected, atol=0, rtol=0)
+            cached = layer._cached_weight
+            assert cached is not None
+            layer(x)
+            assert layer._cached_weight is cached  # reused
+            layer.weight.mul_(-1.0)  # an in-place update bumps the version counter: recomputed
+            torch.testing.assert_close(layer(x, gain=0.7), -expected)
+            assert layer._cached_weight is not cached
+        assert layer._cached_weight is None and not layer.weight_cache_enabled
+    with cached_weight_normalization(layer), torch.enable_grad():
+        layer(x).sum().backward()  # autograd: no cache, gradients flow
+        assert layer._cached_weight is None and layer.weight.grad is not None
 
 
 def test_two_training_forwards_before_one_backward():

@@ -1,5 +1,27 @@
 """Magnitude-preserving layers (EDM2) usable in any torch / diffusers model."""
 
-from .mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize, pixel_norm, resample
+from .mp import (
+    Block,
+    MPConv,
+    MPFourier,
+    cached_weight_normalization,
+    mp_cat,
+    mp_silu,
+    mp_sum,
+    normalize,
+    pixel_norm,
+    resample,
+)
 
-__all__ = ["Block", "MPConv", "MPFourier", "mp_cat", "mp_silu", "mp_sum", "normalize", "pixel_norm", "resample"]
+__all__ = [
+    "Block",
+    "MPConv",
+    "MPFourier",
+    "cached_weight_normalization",
+    "mp_cat",
+    "mp_silu",
+    "mp_sum",
+    "normalize",
+    "pixel_norm",
+    "resample",
+]

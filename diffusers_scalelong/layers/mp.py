@@ -6,6 +6,8 @@ of the EDM2 UNet and can be used in any ``torch.nn.Module``.
 """
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -48,18 +50,29 @@ def mp_sum(a: torch.Tensor, b: torch.Tensor, t: float = 0.5) -> torch.Tensor:
     return ((1 - t) * a + t * b) / math.sqrt((1 - t) ** 2 + t**2)
 
 
-def mp_cat(a: torch.Tensor, b: torch.Tensor, dim: int = 1, t: float = 0.5) -> torch.Tensor:
+def mp_cat(
+    a: torch.Tensor, b: torch.Tensor, dim: int = 1, t: float = 0.5, b_scale: float | torch.Tensor = 1.0
+) -> torch.Tensor:
     """Magnitude-preserving concatenation (Eq. 103) of ``a`` (Na channels) and ``b`` (Nb channels).
 
     ``C = sqrt((Na + Nb) / ((1 - t)^2 + t^2))``; output ``cat([C (1 - t) / sqrt(Na) a, C t / sqrt(Nb) b])``.
     Each part contributes in proportion to its weight, independent of its channel count; unit-RMS
     inputs give a unit-RMS output.
+
+    ``b_scale`` (an extension for long-skip scaling, 1 = the paper) multiplies ``b``'s weight *before* the joint
+    normalisation: ``t^2`` in ``C`` becomes ``t^2 mean_c(b_scale^2)``, so the output keeps unit RMS while ``b``'s
+    share shrinks relative to ``a``. It is a number or a tensor broadcastable to ``b`` (e.g. a per-sample,
+    per-channel gate [B, Nb, 1, 1]; then ``C`` is per sample).
     """
     na, nb = a.shape[dim], b.shape[dim]
-    c = math.sqrt((na + nb) / ((1 - t) ** 2 + t**2))
+    if isinstance(b_scale, torch.Tensor):
+        b_energy = b_scale.square().mean(dim=dim, keepdim=True) if b_scale.ndim > dim else b_scale.square()
+        c = ((na + nb) / ((1 - t) ** 2 + t**2 * b_energy)).sqrt()
+    else:
+        c = math.sqrt((na + nb) / ((1 - t) ** 2 + t**2 * b_scale**2))
     wa = c / math.sqrt(na) * (1 - t)
-    wb = c / math.sqrt(nb) * t
-    return torch.cat([wa * a, wb * b], dim=dim)
+    wb = c / math.sqrt(nb) * t * b_scale
+    return torch.cat([(wa * a).to(a.dtype), (wb * b).to(a.dtype)], dim=dim)
 
 
 def resample(x: torch.Tensor, mode: Literal["keep", "down", "up"] = "keep") -> torch.Tensor:
@@ -103,6 +116,11 @@ class MPConv(nn.Module):
     idempotent: recomputing a forward (gradient checkpointing) leaves the stored weight as it is, and several
     training-mode forwards may precede one backward. In eval mode the stored weight is never modified - keep EMA
     copies in eval mode.
+
+    Weight cache for sampling: inside :func:`cached_weight_normalization`, eval-mode forwards without autograd
+    reuse ``normalize(w) / sqrt(fan_in)`` (float32) until the stored weight's version counter, storage, dtype or
+    device changes. It is opt-in and scoped because writes through ``param.data`` (as some EMA helpers do) do not
+    bump the version counter and would leave the cache stale.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel: tuple[int, ...] = ()):
@@ -112,6 +130,9 @@ class MPConv(nn.Module):
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.weight = nn.Parameter(torch.randn(out_channels, in_channels, *kernel))
+        self.weight_cache_enabled = False
+        self._cached_weight: torch.Tensor | None = None
+        self._cached_key: tuple | None = None
 
     @torch.no_grad()
     def force_weight_normalization(self) -> None:
@@ -121,19 +142,54 @@ class MPConv(nn.Module):
         rms = torch.linalg.vector_norm(w, dim=dims, keepdim=True) / math.sqrt(w[0].numel())
         self.weight.copy_(w / rms.clamp_min(torch.finfo(torch.float32).tiny))
 
+    def _scaled_unit_weight(self) -> torch.Tensor:
+        """``normalize(w) / sqrt(fan_in)`` in float32; cached in eval mode without autograd."""
+        use_cache = (
+            self.weight_cache_enabled
+            and not self.training
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        )
+        if not use_cache:
+            self._cached_weight = self._cached_key = None
+            # A copy, so that a later training-mode forward (which projects the stored weight in place) does not
+            # invalidate what this forward saved for backward.
+            w = normalize(self.weight.to(torch.float32, copy=True))
+            return w / math.sqrt(w[0].numel())
+        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.weight.device)
+        if self._cached_key != key:
+            w = normalize(self.weight.to(torch.float32))
+            self._cached_weight, self._cached_key = w / math.sqrt(w[0].numel()), key
+        return self._cached_weight
+
     def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1.0) -> torch.Tensor:
         if self.training:
             self.force_weight_normalization()
-        # A copy, so that a later training-mode forward (which projects the stored weight in place) does not
-        # invalidate what this forward saved for backward.
-        w = normalize(self.weight.to(torch.float32, copy=True))
-        w = (w * (gain / math.sqrt(w[0].numel()))).to(x.dtype)
+        w = self._scaled_unit_weight()
+        if not (isinstance(gain, float | int) and gain == 1):
+            w = w * gain
+        w = w.to(x.dtype)
         if w.ndim == 2:
             return x @ w.t()
         return F.conv2d(x, w, padding=w.shape[-1] // 2)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, kernel={tuple(self.weight.shape[2:])}"
+
+
+@contextmanager
+def cached_weight_normalization(module: nn.Module) -> Iterator[nn.Module]:
+    """Within this context, every :class:`MPConv` in ``module`` caches its normalised weight for eval-mode,
+    no-grad forwards (e.g. a sampling loop); the caches are dropped on exit."""
+    layers = [m for m in module.modules() if isinstance(m, MPConv)]
+    for layer in layers:
+        layer.weight_cache_enabled = True
+    try:
+        yield module
+    finally:
+        for layer in layers:
+            layer.weight_cache_enabled = False
+            layer._cached_weight = layer._cached_key = None
 
 
 class Block(nn.Module):

@@ -17,9 +17,10 @@ from diffusers.models.unets.unet_2d import UNet2DOutput
 from torch import nn
 
 from ..layers.mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
-from ..scalelong.coefficients import LEARNABLE_METHODS, lsc_coefficients, validate_lsc_options
+from ..scalelong.coefficients import LEARNABLE_METHODS, validate_lsc_options
+from ..scalelong.hooks import LongSkipScaling
 
-__all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel", "scaled_concat_balance"]
+__all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel"]
 
 
 @dataclass(frozen=True)
@@ -64,19 +65,6 @@ EDM2_PRESETS: dict[str, dict[str, EDM2Preset]] = {
 """``EDM2_PRESETS[dataset][size]``; img64 XS and XXL use the same widths but were not trained in the paper."""
 
 
-def scaled_concat_balance(t: float, kappa: float) -> float:
-    """Concat balance of ``mp_cat(x, skip, t)`` after multiplying the skip's weight by the LSC coefficient ``kappa``.
-
-    ``mp_cat`` weights the main path by ``(1 - t)`` and the skip by ``t`` and then rescales the result to unit
-    magnitude, so the weights matter only through their ratio. Scaling the skip's weight to ``kappa t`` therefore
-    equals the balance ``t' = kappa t / ((1 - t) + kappa t)``: the skip's contribution relative to the main path
-    shrinks by ``kappa`` while the output keeps unit RMS. ``kappa = 1`` returns ``t`` itself.
-    """
-    if kappa == 1.0:
-        return t
-    return kappa * t / ((1 - t) + kappa * t)
-
-
 class EDM2UNet2DModel(ModelMixin, ConfigMixin):
     """EDM2 magnitude-preserving UNet, the raw network ``F(c_in x, c_noise, class_labels) -> UNet2DOutput``.
 
@@ -93,8 +81,11 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
         label_balance, concat_balance, res_balance, attn_balance: ``t`` of the mp_sum / mp_cat joining the label
             embedding, the long skips, the residual branch and the attention branch.
         channels_per_head: attention head width; clip_act: activations are clipped to [-clip_act, clip_act].
-        lsc_method, lsc_kappa: ScaleLong long-skip scaling; the coefficient of skip i re-weights the skip inside
-            ``mp_cat`` (see :func:`scaled_concat_balance`); ``"none"`` is exactly EDM2.
+        lsc_method, lsc_kappa, lsc_reduction: ScaleLong long-skip scaling (``none, inv_sqrt2, cs, cs_stage, ls,
+            ls_nonshared``). The coefficient ``kappa_i`` of skip i (a constant, or for LS a per-channel gate
+            ``ChannelGate(skip)`` in (0, 1) with reduction ``lsc_reduction``) multiplies the skip's weight inside
+            ``mp_cat`` before its joint normalisation: ``mp_cat(x, skip, t=concat_balance, b_scale=kappa_i)``, so
+            the decoder input keeps unit magnitude while the skip's share shrinks. ``"none"`` is exactly EDM2.
     """
 
     _supports_gradient_checkpointing = True
@@ -121,6 +112,7 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
         clip_act: float | None = 256,
         lsc_method: str = "none",
         lsc_kappa: float = 0.5,
+        lsc_reduction: int = 16,
     ):
         super().__init__()
         num_levels = len(channel_mult)
@@ -140,8 +132,6 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
             if not 0 <= value <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {value}")
         validate_lsc_options(lsc_method, lsc_kappa)
-        if lsc_method in LEARNABLE_METHODS:
-            raise ValueError(f"lsc_method={lsc_method!r} (learnable scaling) is not supported by EDM2UNet2DModel")
 
         out_channels = in_channels if out_channels is None else out_channels
         widths = [model_channels * m for m in channel_mult]
@@ -178,30 +168,31 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
                 skip_widths.append(width)
                 skip_levels.append(level)
 
-        # ScaleLong coefficients, outermost skip (the first pushed, the last consumed) first.
-        kappas = lsc_coefficients(lsc_method, len(skip_widths), lsc_kappa, stage_ids=skip_levels)
-        concat_balances = [scaled_concat_balance(concat_balance, kappa) for kappa in kappas]
+        # ScaleLong coefficients and LS gates, outermost skip (the first pushed, the last consumed) first.
+        lsc = LongSkipScaling(lsc_method, lsc_kappa, skip_widths, skip_levels, "channel", lsc_reduction)
+        self._skip_scales = list(lsc.coefficients)
+        self.lsc = lsc if lsc_method in LEARNABLE_METHODS else None  # parameters only for LS
 
         # Decoder: the innermost level starts with two blocks (attention in the first), the others with an up block;
         # each of the layers_per_block + 1 blocks that follow takes one skip through mp_cat.
         self.decoder_blocks = nn.ModuleList()
-        self._skip_balances: list[float | None] = []
+        self._skip_index: list[int | None] = []  # the skip each decoder block takes (None: no skip)
         for level in reversed(range(num_levels)):
             resolution = sample_size >> level
             if level == num_levels - 1:
                 self.decoder_blocks.append(Block(width, width, flavor="dec", attention=True, **block_kwargs))
                 self.decoder_blocks.append(Block(width, width, flavor="dec", **block_kwargs))
-                self._skip_balances += [None, None]
+                self._skip_index += [None, None]
             else:
                 self.decoder_blocks.append(Block(width, width, flavor="dec", resample_mode="up", **block_kwargs))
-                self._skip_balances.append(None)
+                self._skip_index.append(None)
             for _ in range(layers_per_block + 1):
                 attention = resolution in attention_resolutions
                 skip_width = skip_widths.pop()
                 self.decoder_blocks.append(
                     Block(width + skip_width, widths[level], flavor="dec", attention=attention, **block_kwargs)
                 )
-                self._skip_balances.append(concat_balances[len(skip_widths)])
+                self._skip_index.append(len(skip_widths))
                 width = widths[level]
 
         self.conv_out = MPConv(width, out_channels, kernel=(3, 3))
@@ -287,6 +278,13 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
                 f"(the model down-samples {len(self.config.channel_mult) - 1} times)"
             )
 
+    def _join_skip(self, x: torch.Tensor, skip: torch.Tensor, index: int) -> torch.Tensor:
+        """``mp_cat(x, skip, t=concat_balance, b_scale=kappa_index)``; kappa is the LS gate of the skip for LS."""
+        scale = self._skip_scales[index]
+        if self.lsc is not None:
+            scale = self.lsc.gates[self.lsc.gate_index[index]](skip)
+        return mp_cat(x, skip, t=self.config.concat_balance, b_scale=scale)
+
     def _run_block(self, block: Block, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.gradient_checkpointing:
             return self._gradient_checkpointing_func(block, x, emb)
@@ -323,9 +321,9 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
         for block in self.encoder_blocks:
             x = self._run_block(block, x, emb)
             skips.append(x)
-        for block, balance in zip(self.decoder_blocks, self._skip_balances, strict=True):
-            if balance is not None:
-                x = mp_cat(x, skips.pop(), t=balance)
+        for block, skip_index in zip(self.decoder_blocks, self._skip_index, strict=True):
+            if skip_index is not None:
+                x = self._join_skip(x, skips.pop(), skip_index)
             x = self._run_block(block, x, emb)
         x = self.conv_out(x, gain=self.out_gain)
 
