@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="edm2: resolutions with attention (default: the lowest)",
     )
     model.add_argument(
+        "--channels_per_head", type=positive_int, default=None, help="edm2: attention head width (default: 64)"
+    )
+    model.add_argument(
         "--uvit_depth", type=positive_int, default=6, help="uvit: number of transformer blocks (even: in/out pairs)"
     )
     model.add_argument("--uvit_num_heads", type=positive_int, default=4, help="uvit: attention heads")
@@ -258,6 +261,7 @@ def build_model(args: argparse.Namespace, channels: int, classes: int | None) ->
             lsc_method=args.lsc,
             lsc_kappa=args.kappa,
             dropout=args.dropout,
+            channels_per_head=args.channels_per_head,
         )
     return build_uvit(
         resolution=args.resolution,

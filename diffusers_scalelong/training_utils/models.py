@@ -86,6 +86,7 @@ def build_edm2(
     lsc_method: str,
     lsc_kappa: float,
     dropout: float | None = None,
+    channels_per_head: int | None = None,
 ) -> ModelMixin:
     """An ``EDM2UNet2DModel``: a paper preset (``XS``..``XXL``) resized to this data, with explicit sizes overriding it."""
     overrides = dict(sample_size=resolution, in_channels=channels, num_class_embeds=num_class_embeds)
@@ -96,6 +97,7 @@ def build_edm2(
         layers_per_block=layers_per_block,
         attention_resolutions=tuple(attention_resolutions) if attention_resolutions is not None else None,
         dropout=dropout,
+        channels_per_head=channels_per_head,
     )
     overrides.update({key: value for key, value in explicit.items() if value is not None})
     cls = plugin_models.EDM2UNet2DModel
