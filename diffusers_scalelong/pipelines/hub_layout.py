@@ -30,14 +30,16 @@ PIPELINE_SHIMS = {"EDM2Pipeline": "edm2_pipeline"}
 
 
 def shim_folder() -> Path:
-    """The folder holding the shim files (the project's top-level ``pipelines/``)."""
-    folder = Path(__file__).resolve().parents[2] / "pipelines"
-    if not (folder / f"{COMPONENT_SHIM}.py").is_file():
-        raise FileNotFoundError(
-            f"the Hub shim files ({COMPONENT_SHIM}.py, ...) were not found in {folder}; they ship in the "
-            "project's top-level pipelines/ folder"
-        )
-    return folder
+    """The folder holding the shim files: the project's top-level ``pipelines/`` folder, installed as
+    ``diffusers_scalelong/hub_shims`` in a wheel, or read from the source checkout."""
+    package = Path(__file__).resolve().parents[1]
+    for folder in (package / "hub_shims", package.parent / "pipelines"):
+        if (folder / f"{COMPONENT_SHIM}.py").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"the Hub shim files ({COMPONENT_SHIM}.py, ...) were found neither in {package / 'hub_shims'} nor in "
+        f"{package.parent / 'pipelines'}; they ship in the project's top-level pipelines/ folder"
+    )
 
 
 def _atomic_write(path: Path, text: str) -> None:
