@@ -332,6 +332,7 @@ def _save_figure_atomically(figure, path: str | os.PathLike) -> str:
     handle, temporary = tempfile.mkstemp(suffix=".png", dir=folder)
     os.close(handle)
     try:
+        os.chmod(temporary, 0o644)  # mkstemp creates 0600; a plot is an ordinary readable file
         figure.savefig(temporary, format="png", dpi=110)
         os.replace(temporary, path)
     except BaseException:
