@@ -22,6 +22,7 @@ from torch import nn
 
 from ..scalelong.coefficients import validate_lsc_options
 from ..scalelong.hooks import LongSkipScaling
+from ..scalelong.loading import LongSkipScalingLoaderMixin
 
 __all__ = ["ModelMixin", "UViT2DModel", "UViTBlock"]
 
@@ -68,7 +69,7 @@ class UViTBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class UViT2DModel(ModelMixin, ConfigMixin):
+class UViT2DModel(LongSkipScalingLoaderMixin, ModelMixin, ConfigMixin):
     """U-ViT noise-prediction network; ``forward(sample, timestep, class_labels)`` returns ``UNet2DOutput``.
 
     Defaults are the CIFAR-10 U-ViT-S/2 of the official ScaleLong recipe (embed 512, depth 12, 8 heads).
@@ -144,15 +145,6 @@ class UViT2DModel(ModelMixin, ConfigMixin):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """diffusers' ``from_pretrained``; LS gates missing from the checkpoint get their normal initialisation."""
-        want_loading_info = kwargs.pop("output_loading_info", False)
-        model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        if any(key.startswith("lsc.") for key in loading_info["missing_keys"]):
-            model.lsc.reset_gates(device=model.pos_embed.device, dtype=model.pos_embed.dtype)
-        return (model, loading_info) if want_loading_info else model
 
     def _run_block(self, block: UViTBlock, x: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
         if torch.is_grad_enabled() and self.gradient_checkpointing:
