@@ -13,6 +13,10 @@ block), ``i = N`` the innermost.
 Caveat (GroupNorm): in diffusers resnets the concatenation ``[h, kappa * skip]`` is normalised by a GroupNorm first;
 in groups holding only skip channels a constant ``kappa`` is cancelled by the normalisation (up to ``eps``), so CS
 acts through the mixed groups and the resnet's 1x1 ``conv_shortcut``, which sees the unnormalised concatenation.
+In the default ``UNet2DModel`` / ``UNet2DConditionModel`` configurations 166 / 168 of the 384 up-block ``norm1``
+groups hold only skip channels, 6 / 4 are mixed and every up-block resnet has a ``conv_shortcut``: CS there rescales
+the skip's contribution to the shortcut path almost exclusively. The per-channel LS gates are not cancelled this
+way (they vary across the channels of a group), only their common scale is.
 """
 
 from collections.abc import Sequence
