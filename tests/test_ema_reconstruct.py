@@ -26,6 +26,7 @@ from diffusers_scalelong.ema import (
     solve_profile_coefficients,
 )
 from diffusers_scalelong.ema.cli import main as cli_main
+from diffusers_scalelong.ema.plot import profile_values
 from diffusers_scalelong.ema.snapshots import write_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,6 +249,19 @@ def test_mixed_shapes_and_unknown_classes_rejected(tmp_path):
     assert _tree(tmp_path) == before
 
 
+def test_plotted_profiles_match_reported_error(trained):
+    """The curves in the PNG: integrating (reconstruction - target)^2 on a grid gives the reported error."""
+    _, root = trained
+    plan = plan_reconstruction(root / "pair", [0.075, 0.2])
+    tau = np.linspace(0, plan.target_time, 200_001)
+    for j, gamma in enumerate(plan.target_gammas):
+        pairs = zip(plan.coefficients[:, j], plan.snapshots, strict=True)
+        mix = sum(x * profile_values(tau, info.time, info.gamma) for x, info in pairs)
+        target = profile_values(tau, plan.target_time, gamma)
+        measured = np.sqrt(np.trapezoid((mix - target) ** 2, tau) / np.trapezoid(target**2, tau))
+        assert measured == pytest.approx(plan.relative_errors[j], rel=2e-2)
+
+
 # ---------------------------------------------------------------------------------------------------- CLI
 def _cli(*args):
     return subprocess.run(
@@ -282,7 +296,8 @@ def test_cli_dry_run_and_errors(trained, tmp_path, capsys):
         "--output_dir",
         str(tmp_path / "o"),
     ]
-    assert cli_main(argv) == 0
+    assert cli_main(argv + ["--plot", str(tmp_path / "profiles.png")]) == 0
+    assert (tmp_path / "profiles.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     stdout = capsys.readouterr().out
     assert "target time 60 steps, 12 snapshots" in stdout
     assert "phema-0000000060-0.100.safetensors" in stdout

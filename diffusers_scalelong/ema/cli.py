@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .plot import plot_reconstruction
 from .reconstruct import plan_reconstruction, save_reconstructed_models
 from .snapshots import list_snapshots, storage_dtype
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--accumulate_dtype", default="float32", help="accumulation precision: float32 (default) or float64"
     )
+    parser.add_argument("--plot", default=None, help="also write a PNG of the target and reconstructed profiles")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output folders")
     parser.add_argument(
         "--dry-run",
@@ -65,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"no snapshot files (phema-*.safetensors) in {args.snapshot_dir}")
         plan = plan_reconstruction(snapshots, args.sigma_rel, args.target_step)
         print(plan.describe())
+        if args.plot:
+            plot_reconstruction(plan, args.plot)
+            print(f"wrote {args.plot}")
         if args.dry_run:
             return 0
         folders = save_reconstructed_models(
