@@ -203,8 +203,19 @@ def test_step_index_restarts_on_set_timesteps_and_set_begin_index(mixture):
     torch.testing.assert_close(first, second)
     # image-to-image style: start at the third evaluation (an Euler step from t_1)
     scheduler.set_timesteps(5)
-    scheduler.set_begin_index(2)
-    assert scheduler.scale_model_input(x, scheduler.timesteps[2]) is not None and scheduler.step_index == 2
+    assert scheduler.index_for_timestep(scheduler.timesteps[2]) == 2  # t_1 appears twice: start with the Euler step
+    x_mid = torch.randn(4, 2, generator=torch.Generator().manual_seed(10)) * float(scheduler.sigmas[2])
+    results = []
+    for use_begin_index in (True, False):  # a loop over a slice, with and without set_begin_index
+        sliced = EDMHeunScheduler()
+        sliced.set_timesteps(5)
+        if use_begin_index:
+            sliced.set_begin_index(2)
+        x = x_mid
+        for t in sliced.timesteps[2:]:
+            x = sliced.step(network(sliced.scale_model_input(x, t), t), t, x).prev_sample
+        results.append(x)
+    torch.testing.assert_close(results[0], results[1])
 
 
 def test_single_step_is_one_euler_step_to_zero(mixture):

@@ -208,12 +208,16 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
         self._euler_sigma: torch.Tensor | None = None
 
     def index_for_timestep(self, timestep: float | torch.Tensor, schedule_timesteps: torch.Tensor | None = None) -> int:
-        """Index of the first entry of `schedule_timesteps` (default `timesteps`) equal to `timestep`."""
+        """Index of the entry of `schedule_timesteps` (default `timesteps`) equal to `timestep`.
+
+        Without churn interior values appear twice (the correction landing on t_i, then the Euler step from t_i);
+        a loop that starts at such a value starts with the Euler step, so the last match is returned.
+        """
         schedule_timesteps = self.timesteps if schedule_timesteps is None else schedule_timesteps
         matches = (schedule_timesteps == torch.as_tensor(timestep, device=schedule_timesteps.device)).nonzero()
         if len(matches) == 0:
             raise ValueError(f"timestep {float(timestep)} is not in this scheduler's `timesteps`")
-        return int(matches[0].item())
+        return int(matches[-1].item())
 
     def _init_step_index(self, timestep: float | torch.Tensor) -> None:
         self._step_index = self.index_for_timestep(timestep) if self._begin_index is None else self._begin_index
