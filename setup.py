@@ -50,7 +50,7 @@ setup(
         "bench": BENCH,
         "all": sorted(set(TEST + BENCH)),
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["scalelong-reconstruct-ema = diffusers_scalelong.ema.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
