@@ -14,17 +14,11 @@ Example (the embedded Fashion-MNIST, EDM2 recipe with ScaleLong and post-hoc EMA
 """
 
 import argparse
-import logging
-import math
 import sys
-import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast, set_seed
-from tqdm.auto import tqdm
+from accelerate.utils import set_seed
 
 from diffusers_scalelong.data import ImageTransform
 from diffusers_scalelong.training_utils import (
@@ -32,35 +26,26 @@ from diffusers_scalelong.training_utils import (
     RECIPES,
     DDPMRecipe,
     EDM2Recipe,
-    TrainingEMA,
     TrainingImages,
-    TrainingRNG,
+    TrainingJob,
     add_lsc_args,
     add_training_args,
     build_edm2,
     build_unet2d,
     build_uvit,
     check_checkpoint_matches,
-    count_parameters,
     ensure_writable_dir,
     infer_channels,
-    list_checkpoints,
-    load_components,
     load_pretrained_unet,
     load_training_dataset,
     make_noise_scheduler,
     num_classes,
     positive_int,
-    push_folder_to_hub,
     resolve_resume_checkpoint,
-    save_checkpoint,
-    save_components,
-    save_image_grid,
-    save_pipeline_atomic,
+    run_script_main,
+    run_training,
     validate_training_args,
 )
-
-logger = get_logger("train_unconditional")
 
 RECIPE_DEFAULTS = {
     # learning_rate, warm-up steps, adam betas, weight decay, gradient clipping, grid sampler steps
@@ -83,10 +68,6 @@ RECIPE_DEFAULTS = {
         num_inference_steps=16,
     ),
 }
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,193 +311,26 @@ def prepare_run(args: argparse.Namespace):
 
 def train(args: argparse.Namespace) -> Path:
     output_dir, resume_from, dataset, channels, recipe, unet = prepare_run(args)
-
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_config=ProjectConfiguration(
-            project_dir=str(output_dir), logging_dir=str(output_dir / args.logging_dir)
-        ),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        step_scheduler_with_optimizer=False,
-    )
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
-    step_rng = TrainingRNG(args.seed + accelerator.process_index, accelerator.device)  # noise differs per process
-
-    module = recipe.wrap(unet)
-    module.train()
     transform = ImageTransform(
         args.resolution, center_crop=args.center_crop, random_flip=args.random_flip, channels=channels
     )
-    loader = torch.utils.data.DataLoader(
-        TrainingImages(dataset, transform, with_labels=args.class_conditional, seed=args.seed),
-        batch_size=args.train_batch_size,
-        shuffle=True,
-        drop_last=True,
-        num_workers=args.dataloader_num_workers,
+    job = TrainingJob(
+        module=recipe.wrap(unet),
+        unet=unet,
+        dataset=TrainingImages(dataset, transform, with_labels=args.class_conditional, seed=args.seed),
+        loss=lambda module, batch: recipe.loss(module, batch["pixel_values"], batch.get("class_labels")),
+        make_lr_scheduler=lambda optimizer, max_steps: build_lr_scheduler(args, optimizer, max_steps),
+        make_pipeline=recipe.pipeline,
+        sample=None if args.class_conditional else recipe.sample,
+        zero_nonfinite_grads=args.recipe == "edm2",
+        tracker_name="train_unconditional",
+        description=f"recipe {args.recipe}",
     )
-    if len(loader) // accelerator.num_processes < args.gradient_accumulation_steps:
-        raise ValueError(
-            f"{len(dataset)} images give fewer than one optimiser step per epoch at --train_batch_size "
-            f"{args.train_batch_size} x {accelerator.num_processes} processes x --gradient_accumulation_steps {args.gradient_accumulation_steps}"
-        )
-    optimizer = torch.optim.AdamW(
-        module.parameters(),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.adam_weight_decay,
-        eps=args.adam_epsilon,
-    )
-    steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes / args.gradient_accumulation_steps)
-    max_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
-    num_epochs = math.ceil(max_steps / steps_per_epoch)
-    lr_scheduler = build_lr_scheduler(args, optimizer, max_steps)
-    module, optimizer, loader, lr_scheduler = accelerator.prepare(module, optimizer, loader, lr_scheduler)
-    live = accelerator.unwrap_model(module)
-    live_unet = live.unet if hasattr(live, "uncertainty") else live
-
-    ema = TrainingEMA(
-        live_unet,
-        sigma_rels=tuple(args.ema_sigma_rels),
-        snapshot_dir=output_dir / "ema_snapshots",
-        snapshot_every=args.snapshot_every,
-        use_classic=args.use_ema,
-        classic_kwargs=dict(decay=args.ema_max_decay, inv_gamma=args.ema_inv_gamma, power=args.ema_power),
-        enabled=accelerator.is_main_process,
-    )
-
-    def save_model_hook(models, weights, folder):
-        step_rng.save(folder, accelerator.process_index)
-        if accelerator.is_main_process:
-            for model in models:
-                save_components(accelerator.unwrap_model(model), folder)
-            ema.save(folder)
-        for _ in models:
-            weights.pop()
-
-    def load_model_hook(models, folder):
-        step_rng.load(folder, accelerator.process_index)
-        while models:
-            load_components(accelerator.unwrap_model(models.pop()), folder)
-
-    accelerator.register_save_state_pre_hook(save_model_hook)
-    accelerator.register_load_state_pre_hook(load_model_hook)
-
-    global_step = 0
-    if resume_from is not None:
-        accelerator.print(f"Resuming from {resume_from}")
-        accelerator.load_state(str(resume_from))
-        ema.load(resume_from, live_unet)
-        global_step = int(resume_from.name.split("-")[1])
-    first_epoch = global_step // steps_per_epoch
-    skip_batches = (global_step % steps_per_epoch) * args.gradient_accumulation_steps
-
-    if accelerator.is_main_process and args.report_to != "none":
-        accelerator.init_trackers("train_unconditional", config={k: str(v) for k, v in vars(args).items()})
-    accelerator.print(
-        f"{type(live_unet).__name__}: {count_parameters(live_unet) / 1e6:.2f}M parameters; {len(dataset)} images; "
-        f"recipe {args.recipe}; {max_steps} steps of {args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps} images"
-    )
-
-    def sample_grid(step: int) -> None:
-        export = ema.export_unet(live_unet)
-        export.eval()
-        images = recipe.sample(export, args.num_grid_images, args.seed, args.num_inference_steps)
-        live_unet.train()
-        save_image_grid(images, output_dir / "samples" / f"step-{step:07d}.png")
-
-    progress = tqdm(total=max_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps")
-    start = time.monotonic()
-    stop = global_step >= max_steps
-    micro_losses = []
-    for epoch in range(first_epoch, num_epochs):
-        if stop:
-            break
-        loader.set_epoch(epoch)
-        batches = loader
-        if epoch == first_epoch and skip_batches:
-            batches = accelerator.skip_first_batches(loader, skip_batches)
-            batches.set_epoch(epoch)  # the new loader would otherwise replay epoch 0's order
-        for batch in batches:
-            with accelerator.accumulate(module), step_rng.active():
-                loss = recipe.loss(module, batch["pixel_values"], batch.get("class_labels"))
-                mean_loss = accelerator.gather(loss.detach()[None]).mean()
-                if not torch.isfinite(mean_loss):
-                    raise TrainingDiverged(f"the loss is {mean_loss.item()} at step {global_step + 1}")
-                micro_losses.append(mean_loss.item())
-                accelerator.backward(loss)
-                grad_norm = None
-                if accelerator.sync_gradients:
-                    if args.recipe == "edm2":
-                        for parameter in module.parameters():
-                            if parameter.grad is not None:
-                                torch.nan_to_num_(parameter.grad, nan=0.0, posinf=0.0, neginf=0.0)
-                    grad_norm = accelerator.clip_grad_norm_(module.parameters(), args.max_grad_norm or float("inf"))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if not accelerator.sync_gradients:
-                continue
-
-            lr = lr_scheduler.get_last_lr()[0]
-            lr_scheduler.step()
-            global_step += 1
-            progress.update(1)
-            ema.update(live_unet, global_step)
-            logs = {"loss": sum(micro_losses) / len(micro_losses), "lr": lr, "grad_norm": float(grad_norm)}
-            micro_losses.clear()
-            progress.set_postfix(loss=f"{logs['loss']:.4f}")
-            accelerator.log(logs, step=global_step)
-
-            stop = global_step >= max_steps
-            if args.max_train_time_minutes is not None:
-                out_of_time = torch.tensor(float(time.monotonic() - start > 60 * args.max_train_time_minutes))
-                if accelerator.num_processes > 1:
-                    out_of_time = broadcast(out_of_time.to(accelerator.device))
-                if out_of_time.item():
-                    accelerator.print(f"--max_train_time_minutes reached after {global_step} steps")
-                    stop = True
-            if accelerator.is_main_process:
-                ema.maybe_snapshot(global_step, final=stop)
-                if args.save_images_steps and (global_step % args.save_images_steps == 0 or stop):
-                    sample_grid(global_step)
-            if global_step % args.checkpointing_steps == 0:
-                path = save_checkpoint(accelerator, output_dir, global_step, args.checkpoints_total_limit)
-                accelerator.print(f"saved {path}")
-            if stop:
-                break
-    progress.close()
-
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        pipeline = recipe.pipeline(ema.export_unet(live_unet))
-        save_pipeline_atomic(pipeline, output_dir)
-        accelerator.print(f"pipeline saved to {output_dir}")
-        if args.push_to_hub:
-            url = push_folder_to_hub(output_dir, args.hub_model_id, private=args.hub_private_repo)
-            accelerator.print(f"pushed to {url}")
-    accelerator.end_training()
-    return output_dir
+    return run_training(args, job, output_dir, resume_from)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        train(args)
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    except TrainingDiverged as error:
-        found = list_checkpoints(args.output_dir)
-        last = found[-1] if found else None
-        print(
-            f"error: {error}; training stopped. "
-            + (f"The last good checkpoint is {last}; " if last else "No checkpoint was written yet; ")
-            + "lower --learning_rate and resume with --resume_from_checkpoint latest.",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return run_script_main(build_parser(), train, argv)
 
 
 if __name__ == "__main__":

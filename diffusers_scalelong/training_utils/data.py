@@ -120,3 +120,63 @@ class TrainingImages(torch.utils.data.Dataset):
         if self.with_labels:
             item["class_labels"] = torch.tensor(int(row["label"]))
         return item
+
+
+def load_captioned_dataset(
+    dataset_name: str | None,
+    train_data_dir: str | None,
+    split: str = "train",
+    image_column: str = "image",
+    caption_column: str = "text",
+    resolution: int = 512,
+    allow_upscaling: bool = False,
+    max_train_samples: int | None = None,
+) -> datasets.Dataset:
+    """Images with captions: an imagefolder whose ``metadata.jsonl`` has ``file_name`` and a caption column, or a
+    ``datasets`` dataset. Problems raise ``ValueError`` naming the option (no images, no captions, too small)."""
+    if (dataset_name is None) == (train_data_dir is None):
+        raise ValueError("pass exactly one of --dataset_name or --train_data_dir (an imagefolder with metadata.jsonl)")
+    source = _describe_source(dataset_name, train_data_dir)
+    try:
+        if train_data_dir is not None:
+            dataset = datasets.load_dataset("imagefolder", data_dir=str(train_data_dir), split=split)
+        else:
+            dataset = datasets.load_dataset(dataset_name, split=split)
+    except Exception as error:  # datasets raises its own error types for folders without data files
+        raise ValueError(f"{source} could not be loaded as an image dataset: {error}") from error
+    for option, column in (("--image_column", image_column), ("--caption_column", caption_column)):
+        if column not in dataset.column_names:
+            raise ValueError(f"{option} {column!r} not found in {source}; it has columns {dataset.column_names}")
+    if len(dataset) == 0:
+        raise ValueError(f"{source} contains no images")
+    if max_train_samples is not None:
+        dataset = dataset.select(range(min(max_train_samples, len(dataset))))
+    dataset = dataset.select_columns([image_column, caption_column])
+    renames = {old: new for old, new in ((image_column, "image"), (caption_column, "text")) if old != new}
+    dataset = dataset.rename_columns(renames) if renames else dataset
+    _check_image_sizes(dataset, resolution, allow_upscaling, source)
+    return dataset
+
+
+class CaptionedImages(TrainingImages):
+    """Items ``{"pixel_values", "input_ids"}``: the image transformed, one of its captions tokenized to full length."""
+
+    def __init__(self, dataset: datasets.Dataset, transform: ImageTransform, tokenizer, seed: int = 0):
+        super().__init__(dataset, transform, with_labels=False, seed=seed)
+        self.tokenizer = tokenizer
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.dataset[int(index)]
+        generator = item_generator(self.seed, self.epoch, int(index))
+        self.transform.generator = generator
+        caption = row["text"]
+        if isinstance(caption, list | tuple):
+            caption = caption[int(torch.randint(len(caption), (), generator=generator))]
+        tokens = self.tokenizer(
+            caption,
+            max_length=self.tokenizer.model_max_length,
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+        )
+        return {"pixel_values": self.transform(row["image"]), "input_ids": tokens.input_ids[0]}

@@ -42,13 +42,16 @@ class DDPMRecipe:
         self.noise_scheduler = noise_scheduler
 
     def loss(
-        self, model: torch.nn.Module, images: torch.Tensor, class_labels: torch.Tensor | None = None
+        self, model: torch.nn.Module, images: torch.Tensor, class_labels: torch.Tensor | None = None, **model_kwargs
     ) -> torch.Tensor:
+        """Mean squared error of the prediction; ``model_kwargs`` (e.g. ``encoder_hidden_states``) go to the model."""
+        if class_labels is not None:
+            model_kwargs["class_labels"] = class_labels
         noise = torch.randn_like(images)
         steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = torch.randint(0, steps, (images.shape[0],), device=images.device)
         noisy = self.noise_scheduler.add_noise(images, noise, timesteps)
-        prediction = model(noisy, timesteps, class_labels=class_labels).sample
+        prediction = model(noisy, timesteps, **model_kwargs).sample
         if self.noise_scheduler.config.prediction_type == "v_prediction":
             target = self.noise_scheduler.get_velocity(images, noise, timesteps)
         else:
@@ -72,6 +75,17 @@ class DDPMRecipe:
             batch_size=num_images, generator=generator, num_inference_steps=num_inference_steps, output_type="np"
         )
         return images_from_numpy(output.images)
+
+
+class _SigmaDataCaller:
+    """Calls a (DDP-wrapped) denoiser and exposes the ``sigma_data`` that ``EDM2Loss`` reads from it."""
+
+    def __init__(self, denoiser: torch.nn.Module, sigma_data: float):
+        self.denoiser = denoiser
+        self.sigma_data = sigma_data
+
+    def __call__(self, *args, **kwargs):
+        return self.denoiser(*args, **kwargs)
 
 
 class EDM2Recipe:
@@ -99,7 +113,8 @@ class EDM2Recipe:
     def loss(
         self, denoiser: torch.nn.Module, images: torch.Tensor, class_labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self.loss_fn(denoiser, images, class_labels).loss
+        """The EDM2 loss of ``denoiser`` (possibly wrapped for data parallelism, which hides ``sigma_data``)."""
+        return self.loss_fn(_SigmaDataCaller(denoiser, self.sigma_data), images, class_labels).loss
 
     def scheduler(self):
         from ..schedulers import EDMHeunScheduler

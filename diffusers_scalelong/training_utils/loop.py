@@ -1,0 +1,255 @@
+"""The training loop shared by the training scripts: Accelerate set-up, checkpoints, EMA, logging, final save.
+
+A script describes its run as a :class:`TrainingJob` (what to train, how to compute the loss of a batch, how to
+build the pipeline) and calls :func:`run_training` with its parsed options (see ``cli.add_training_args``).
+"""
+
+import argparse
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast
+from tqdm.auto import tqdm
+
+from .checkpoints import list_checkpoints, load_components, save_checkpoint, save_components
+from .ema import TrainingEMA, count_parameters
+from .export import push_folder_to_hub, save_pipeline_atomic
+from .images import save_image_grid
+from .rng import TrainingRNG
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class TrainingJob:
+    """What one run trains.
+
+    Attributes:
+        module: the trained module (the UNet, or e.g. EDM2's preconditioner around it).
+        unet: the diffusers UNet inside ``module``: tracked by the EMAs and saved in the pipeline.
+        dataset: a map-style dataset of dict items (optionally with ``set_epoch``).
+        loss: ``loss(prepared_module, batch) -> scalar``; runs inside the private training random stream.
+        make_lr_scheduler: ``(optimizer, max_steps) -> LRScheduler``.
+        make_pipeline: ``unet -> DiffusionPipeline`` saved at the end.
+        sample: ``(unet, num_images, seed, num_inference_steps) -> images in [-1, 1]`` for PNG grids, or None.
+        frozen: modules the loss uses but does not train (VAE, text encoder): moved to the device.
+        zero_nonfinite_grads: set NaN/Inf gradient entries to 0 before the optimiser step (EDM2).
+        tracker_name: TensorBoard run name.
+        description: printed at the start.
+    """
+
+    module: torch.nn.Module
+    unet: torch.nn.Module
+    dataset: torch.utils.data.Dataset
+    loss: Callable
+    make_lr_scheduler: Callable
+    make_pipeline: Callable
+    sample: Callable | None = None
+    frozen: list = field(default_factory=list)
+    zero_nonfinite_grads: bool = False
+    tracker_name: str = "train"
+    description: str = ""
+
+
+def make_accelerator(args: argparse.Namespace, output_dir: Path) -> Accelerator:
+    """The run's Accelerator. Without any GPU-like device it is told so (``cpu=True``): only then does Accelerate
+    join the processes of ``accelerate launch --multi_gpu --num_processes N`` (or ``torchrun``) over gloo on CPU."""
+    return Accelerator(
+        cpu=not torch.accelerator.is_available(),
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_config=ProjectConfiguration(
+            project_dir=str(output_dir), logging_dir=str(output_dir / args.logging_dir)
+        ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        step_scheduler_with_optimizer=False,
+    )
+
+
+def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, resume_from: Path | None) -> Path:
+    """Train ``job`` as the options say; returns ``output_dir`` holding the pipeline. Raises ``TrainingDiverged``."""
+    accelerator = make_accelerator(args, output_dir)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    step_rng = TrainingRNG(args.seed + accelerator.process_index, accelerator.device)  # noise differs per process
+    for frozen in job.frozen:
+        frozen.to(accelerator.device).eval().requires_grad_(False)
+
+    loader = torch.utils.data.DataLoader(
+        job.dataset,
+        batch_size=args.train_batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=args.dataloader_num_workers,
+    )
+    micro_steps_per_epoch = len(loader) // accelerator.num_processes
+    if micro_steps_per_epoch < args.gradient_accumulation_steps:
+        raise ValueError(
+            f"{len(job.dataset)} images give no full optimiser step per epoch at --train_batch_size {args.train_batch_size} "
+            f"x {accelerator.num_processes} processes x --gradient_accumulation_steps {args.gradient_accumulation_steps}"
+        )
+    job.module.train()
+    trainable = [p for p in job.module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.adam_weight_decay,
+        eps=args.adam_epsilon,
+    )
+    steps_per_epoch = math.ceil(micro_steps_per_epoch / args.gradient_accumulation_steps)
+    max_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
+    num_epochs = math.ceil(max_steps / steps_per_epoch)
+    lr_scheduler = job.make_lr_scheduler(optimizer, max_steps)
+    module, optimizer, loader, lr_scheduler = accelerator.prepare(job.module, optimizer, loader, lr_scheduler)
+    unet = job.unet
+
+    ema = TrainingEMA(
+        unet,
+        sigma_rels=tuple(args.ema_sigma_rels),
+        snapshot_dir=output_dir / "ema_snapshots",
+        snapshot_every=args.snapshot_every,
+        use_classic=args.use_ema,
+        classic_kwargs=dict(decay=args.ema_max_decay, inv_gamma=args.ema_inv_gamma, power=args.ema_power),
+        enabled=accelerator.is_main_process,
+    )
+
+    def save_model_hook(models, weights, folder):
+        step_rng.save(folder, accelerator.process_index)
+        if accelerator.is_main_process:
+            for model in models:
+                save_components(accelerator.unwrap_model(model), folder)
+            ema.save(folder)
+        for _ in models:
+            weights.pop()
+
+    def load_model_hook(models, folder):
+        step_rng.load(folder, accelerator.process_index)
+        while models:
+            load_components(accelerator.unwrap_model(models.pop()), folder)
+
+    accelerator.register_save_state_pre_hook(save_model_hook)
+    accelerator.register_load_state_pre_hook(load_model_hook)
+
+    global_step = 0
+    if resume_from is not None:
+        accelerator.print(f"Resuming from {resume_from}")
+        accelerator.load_state(str(resume_from))
+        ema.load(resume_from, unet)
+        global_step = int(resume_from.name.split("-")[1])
+    first_epoch = global_step // steps_per_epoch
+    skip_batches = (global_step % steps_per_epoch) * args.gradient_accumulation_steps
+
+    if accelerator.is_main_process and args.report_to != "none":
+        accelerator.init_trackers(job.tracker_name, config={k: str(v) for k, v in vars(args).items()})
+    global_batch = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    accelerator.print(
+        f"{type(unet).__name__}: {count_parameters(unet) / 1e6:.2f}M parameters; {len(job.dataset)} images; "
+        f"{job.description}; {max_steps} steps of {global_batch} images"
+    )
+
+    def sample_grid(step: int) -> None:
+        export = ema.export_unet(unet).eval()
+        images = job.sample(export, args.num_grid_images, args.seed, args.num_inference_steps)
+        unet.train()
+        save_image_grid(images, output_dir / "samples" / f"step-{step:07d}.png")
+
+    progress = tqdm(total=max_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps")
+    start = time.monotonic()
+    stop = global_step >= max_steps
+    micro_losses = []
+    for epoch in range(first_epoch, num_epochs):
+        if stop:
+            break
+        loader.set_epoch(epoch)
+        batches = loader
+        if epoch == first_epoch and skip_batches:
+            batches = accelerator.skip_first_batches(loader, skip_batches)
+            batches.set_epoch(epoch)  # the new loader would otherwise replay epoch 0's order
+        for batch in batches:
+            with accelerator.accumulate(module), step_rng.active():
+                loss = job.loss(module, batch)
+                mean_loss = accelerator.gather(loss.detach()[None]).mean()
+                if not torch.isfinite(mean_loss):
+                    raise TrainingDiverged(f"the loss is {mean_loss.item()} at step {global_step + 1}")
+                micro_losses.append(mean_loss.item())
+                accelerator.backward(loss)
+                grad_norm = None
+                if accelerator.sync_gradients:
+                    if job.zero_nonfinite_grads:
+                        for parameter in trainable:
+                            if parameter.grad is not None:
+                                torch.nan_to_num_(parameter.grad, nan=0.0, posinf=0.0, neginf=0.0)
+                    grad_norm = accelerator.clip_grad_norm_(trainable, args.max_grad_norm or float("inf"))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if not accelerator.sync_gradients:
+                continue
+
+            lr = lr_scheduler.get_last_lr()[0]
+            lr_scheduler.step()
+            global_step += 1
+            progress.update(1)
+            ema.update(unet, global_step)
+            logs = {"loss": sum(micro_losses) / len(micro_losses), "lr": lr, "grad_norm": float(grad_norm)}
+            micro_losses.clear()
+            progress.set_postfix(loss=f"{logs['loss']:.4f}")
+            accelerator.log(logs, step=global_step)
+
+            stop = global_step >= max_steps
+            if args.max_train_time_minutes is not None:
+                out_of_time = torch.tensor(float(time.monotonic() - start > 60 * args.max_train_time_minutes))
+                if accelerator.num_processes > 1:
+                    out_of_time = broadcast(out_of_time.to(accelerator.device))
+                if out_of_time.item():
+                    accelerator.print(f"--max_train_time_minutes reached after {global_step} steps")
+                    stop = True
+            if accelerator.is_main_process:
+                ema.maybe_snapshot(global_step, final=stop)
+                if job.sample and args.save_images_steps and (global_step % args.save_images_steps == 0 or stop):
+                    sample_grid(global_step)
+            if global_step % args.checkpointing_steps == 0:
+                path = save_checkpoint(accelerator, output_dir, global_step, args.checkpoints_total_limit)
+                accelerator.print(f"saved {path}")
+            if stop:
+                break
+    progress.close()
+
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        save_pipeline_atomic(job.make_pipeline(ema.export_unet(unet)), output_dir)
+        accelerator.print(f"pipeline saved to {output_dir}")
+        if args.push_to_hub:
+            url = push_folder_to_hub(output_dir, args.hub_model_id, private=args.hub_private_repo)
+            accelerator.print(f"pushed to {url}")
+    accelerator.end_training()
+    return output_dir
+
+
+def run_script_main(parser: argparse.ArgumentParser, train: Callable, argv: list[str] | None = None) -> int:
+    """Parse options and call ``train(args)``: a ``ValueError`` exits with status 2 and its message (bad input); a
+    diverged loss exits with status 1 naming the last good checkpoint."""
+    args = parser.parse_args(argv)
+    try:
+        train(args)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except TrainingDiverged as error:
+        found = list_checkpoints(args.output_dir)
+        where = f"The last good checkpoint is {found[-1]}; " if found else "No checkpoint was written yet; "
+        print(
+            f"error: {error}; training stopped. {where}lower --learning_rate and resume with "
+            "--resume_from_checkpoint latest.",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
