@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""The main job: train a small diffusion model on the embedded Fashion-MNIST, then sample it and score it.
+
+1. train ``training/train_unconditional.py``: an EDM2 magnitude-preserving UNet (1.2M parameters, 32x32) with
+   ScaleLong constant scaling of its long skips, the EDM2 recipe (log-normal sigma, learned uncertainty,
+   Adam (0.9, 0.99), inverse-sqrt lr) and post-hoc EMA snapshots;
+2. reconstruct the EMA of length ``--sigma_rel`` from the snapshots (post-hoc EMA, EDM2 Algorithm 3);
+3. save that network as an ``EDM2Pipeline`` folder, sample an 8x8 PNG grid and ``--num_samples`` images;
+4. print FD and KID in the feature space of the package's Fashion-MNIST classifier (not Inception FID).
+
+Outputs in ``--output_dir``: ``train/`` (checkpoints, snapshots, TensorBoard logs, grids during training),
+``pipeline/`` (load with ``DiffusionPipeline.from_pretrained`` after ``import diffusers_scalelong``),
+``samples.png`` and ``metrics.json``. Rerunning resumes an interrupted training run.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from diffusers_scalelong.ema import save_reconstructed_models
+from diffusers_scalelong.metrics import compute_fd_kid
+from diffusers_scalelong.models import EDM2UNet2DModel
+from diffusers_scalelong.pipelines import EDM2Pipeline
+from diffusers_scalelong.schedulers import EDMHeunScheduler
+from diffusers_scalelong.training_utils import save_image_grid, save_pipeline_atomic
+
+TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "training" / "train_unconditional.py"
+
+# The recipe: EDM2 UNet + ScaleLong CS + EDM2 loss and lr + post-hoc EMA (see benchmarks/results/training.md).
+TRAINING_RECIPE = [
+    "--model", "edm2", "--model_channels", "32", "--channel_mult", "1", "2", "2", "--layers_per_block", "1",
+    "--attention_resolutions", "8", "--channels_per_head", "32",
+    "--lsc", "cs", "--kappa", "0.7",
+    "--recipe", "edm2", "--learning_rate", "0.01", "--lr_warmup_steps", "100", "--lr_ref_steps", "1000",
+    "--resolution", "32", "--train_batch_size", "64",
+    "--ema_sigma_rels", "0.05", "0.10", "--snapshot_every", "100",
+    "--checkpointing_steps", "250", "--checkpoints_total_limit", "1",
+    "--save_images_steps", "500", "--num_grid_images", "16", "--num_inference_steps", "12",
+]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--output_dir", required=True, help="folder for the training run, pipeline, grid and metric")
+    parser.add_argument("--max_train_steps", type=int, default=2000, help="optimiser steps (batch 64)")
+    parser.add_argument(
+        "--minutes", type=float, default=7.5, help="stop training after this wall time even if steps remain"
+    )
+    parser.add_argument("--sigma_rel", type=float, default=0.10, help="EMA length reconstructed after training")
+    parser.add_argument("--num_samples", type=int, default=512, help="generated images for the metric")
+    parser.add_argument(
+        "--num_inference_steps", type=int, default=16, help="EDM Heun steps (2N - 1 network evaluations)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of training and sampling")
+    return parser.parse_args(argv)
+
+
+def train(args: argparse.Namespace, train_dir: Path) -> None:
+    if (train_dir / "model_index.json").is_file():
+        print(f"[1/4] {train_dir} holds a finished training run; reusing it (delete the folder to retrain)")
+        return
+    print(f"[1/4] training for up to {args.max_train_steps} steps or {args.minutes} minutes", flush=True)
+    command = [sys.executable, str(TRAIN_SCRIPT), "--output_dir", str(train_dir), *TRAINING_RECIPE]
+    command += ["--max_train_steps", str(args.max_train_steps), "--max_train_time_minutes", str(args.minutes)]
+    command += ["--seed", str(args.seed), "--resume_from_checkpoint", "latest"]
+    subprocess.run(command, check=True)
+
+
+@torch.no_grad()
+def sample(pipeline: EDM2Pipeline, count: int, steps: int, seed: int, batch_size: int = 128) -> torch.Tensor:
+    """``count`` images in [-1, 1] from the EDM Heun sampler, in batches."""
+    images = []
+    generator = torch.Generator().manual_seed(seed)
+    for start in range(0, count, batch_size):
+        output = pipeline(
+            batch_size=min(batch_size, count - start), num_inference_steps=steps, generator=generator, output_type="pt"
+        )
+        images.append(output.images * 2 - 1)
+    return torch.cat(images)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    output_dir = Path(args.output_dir)
+    train_dir = output_dir / "train"
+    started = time.monotonic()
+    train(args, train_dir)
+
+    print(f"[2/4] reconstructing the post-hoc EMA with sigma_rel={args.sigma_rel}", flush=True)
+    (folder,) = save_reconstructed_models(
+        train_dir / "ema_snapshots", output_dir / "ema", [args.sigma_rel], overwrite=True
+    )
+    unet = EDM2UNet2DModel.from_pretrained(folder).eval()
+    pipeline = EDM2Pipeline(unet=unet, scheduler=EDMHeunScheduler())
+    pipeline.set_progress_bar_config(disable=True)
+    save_pipeline_atomic(pipeline, _fresh_folder(output_dir / "pipeline"))
+
+    print(f"[3/4] sampling {args.num_samples} images ({args.num_inference_steps} Heun steps)", flush=True)
+    images = sample(pipeline, max(args.num_samples, 64), args.num_inference_steps, args.seed)
+    grid_path = output_dir / "samples.png"
+    save_image_grid(images[:64], grid_path, nrow=8)
+
+    print("[4/4] scoring against the Fashion-MNIST test split", flush=True)
+    metrics = compute_fd_kid(images[: args.num_samples])
+    metrics.update(
+        sigma_rel=args.sigma_rel,
+        num_inference_steps=args.num_inference_steps,
+        minutes=(time.monotonic() - started) / 60,
+    )
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    scores = ", ".join(f"{key} = {value:.4g}" for key, value in metrics.items() if key.startswith(("FD-", "KID-")))
+    print(f"\n{scores} ({metrics['num_generated']} samples vs {metrics['num_reference']} real test images)")
+    print(f"grid: {grid_path}\npipeline: {output_dir / 'pipeline'}\ntraining run (TensorBoard logs): {train_dir}")
+    return 0
+
+
+def _fresh_folder(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
