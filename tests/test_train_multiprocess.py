@@ -22,6 +22,7 @@ RUN = [
     0,
 ]
 RUN += ["--lr_scheduler", "constant", "--ema_sigma_rels", "0.10", "--snapshot_every", 12, "--report_to", "tensorboard"]
+RUN += ["--diagnostics_every", 6]
 
 
 def _free_port() -> int:
@@ -30,13 +31,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _loss_curve(output) -> np.ndarray:
+def _events(output):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = (output / "logs" / "train_unconditional").glob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events))
     accumulator.Reload()
-    scalars = accumulator.Scalars("loss")
+    return accumulator
+
+
+def _loss_curve(output) -> np.ndarray:
+    scalars = _events(output).Scalars("loss")
     assert [s.step for s in scalars] == list(range(1, STEPS + 1))
     return np.array([s.value for s in scalars])
 
@@ -89,3 +94,14 @@ def test_only_the_main_process_writes(runs):
     assert _files(double) == expected
     assert log.count("pipeline saved to") == 1
     assert len(list((double / "ema_snapshots").iterdir())) == 2
+
+
+def test_tensorboard_gets_lr_grad_norm_and_scalelong_diagnostics(runs):
+    single, double, _ = runs
+    for output in (single, double):
+        events = _events(output)
+        tags = set(events.Tags()["scalars"])
+        assert {"loss", "lr", "grad_norm", "grad/global", "skip/1/scaled", "skip/1/decoder", "block/mid"} <= tags
+        assert [s.step for s in events.Scalars("skip/1/scaled")] == [6, 12, 18, 24]
+        assert events.Scalars("lr")[0].value == pytest.approx(2e-3)
+        assert (output / "stability.png").is_file()

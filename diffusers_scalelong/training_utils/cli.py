@@ -90,6 +90,13 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
     )
     acc.add_argument("--report_to", choices=("tensorboard", "none"), default="tensorboard", help="where to log metrics")
     acc.add_argument("--logging_dir", default="logs", help="TensorBoard folder, relative to --output_dir")
+    acc.add_argument(
+        "--diagnostics_every",
+        type=int,
+        default=50,
+        help="log ScaleLong stability diagnostics (skip/block feature norms, gradient norms, LS gates) every N steps "
+        "and plot them to stability.png; 0 = off (diffusers UNets and U-ViT only)",
+    )
 
     ckpt = parser.add_argument_group("checkpoints and samples")
     ckpt.add_argument(
@@ -155,6 +162,8 @@ def validate_training_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--hub_model_id must look like 'namespace/name', got {args.hub_model_id!r}")
     if not 0 < args.ema_max_decay < 1:
         raise ValueError(f"--ema_max_decay must lie in (0, 1), got {args.ema_max_decay}")
+    if args.diagnostics_every < 0:
+        raise ValueError("--diagnostics_every must be >= 0 (0 turns the diagnostics off)")
     if args.dataloader_num_workers < 0:
         raise ValueError("--dataloader_num_workers must be >= 0")
     if args.lr_warmup_steps is not None and args.lr_warmup_steps < 0:

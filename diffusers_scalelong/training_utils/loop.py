@@ -60,6 +60,19 @@ class TrainingJob:
     description: str = ""
 
 
+def make_diagnostics(unet: torch.nn.Module, every_n_steps: int):
+    """ScaleLong's stability diagnostics on ``unet`` every ``every_n_steps`` steps, or None (off / not supported)."""
+    if not every_n_steps:
+        return None
+    from ..diagnostics import StabilityDiagnostics
+
+    try:
+        return StabilityDiagnostics(unet, every_n_steps=every_n_steps)
+    except ValueError as error:  # e.g. the EDM2 UNet, whose skips are joined inside mp_cat
+        print(f"ScaleLong diagnostics are off: {error}")
+        return None
+
+
 def make_accelerator(args: argparse.Namespace, output_dir: Path) -> Accelerator:
     """The run's Accelerator. Without any GPU-like device it is told so (``cpu=True``): only then does Accelerate
     join the processes of ``accelerate launch --multi_gpu --num_processes N`` (or ``torchrun``) over gloo on CPU."""
@@ -157,6 +170,8 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
         f"{job.description}; {max_steps} steps of {global_batch} images"
     )
 
+    diagnostics = make_diagnostics(unet, args.diagnostics_every) if accelerator.is_main_process else None
+
     def sample_grid(step: int) -> None:
         export = ema.export_unet(unet).eval()
         images = job.sample(export, args.num_grid_images, args.seed, args.num_inference_steps)
@@ -176,6 +191,8 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
             batches = accelerator.skip_first_batches(loader, skip_batches)
             batches.set_epoch(epoch)  # the new loader would otherwise replay epoch 0's order
         for batch in batches:
+            if diagnostics is not None:
+                diagnostics.begin_step(global_step + 1)
             with accelerator.accumulate(module), step_rng.active():
                 loss = job.loss(module, batch)
                 mean_loss = accelerator.gather(loss.detach()[None]).mean()
@@ -189,6 +206,8 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
                         for parameter in trainable:
                             if parameter.grad is not None:
                                 torch.nan_to_num_(parameter.grad, nan=0.0, posinf=0.0, neginf=0.0)
+                    if diagnostics is not None:
+                        diagnostics.record_gradients()
                     grad_norm = accelerator.clip_grad_norm_(trainable, args.max_grad_norm or float("inf"))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -202,6 +221,8 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
             ema.update(unet, global_step)
             logs = {"loss": sum(micro_losses) / len(micro_losses), "lr": lr, "grad_norm": float(grad_norm)}
             micro_losses.clear()
+            if diagnostics is not None:
+                logs.update(diagnostics.end_step())
             progress.set_postfix(loss=f"{logs['loss']:.4f}")
             accelerator.log(logs, step=global_step)
 
@@ -225,6 +246,8 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     progress.close()
 
     accelerator.wait_for_everyone()
+    if diagnostics is not None and diagnostics.history:
+        diagnostics.plot(output_dir / "stability.png")
     if accelerator.is_main_process:
         save_pipeline_atomic(job.make_pipeline(ema.export_unet(unet)), output_dir)
         accelerator.print(f"pipeline saved to {output_dir}")
