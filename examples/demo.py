@@ -36,8 +36,8 @@ TRAINING_RECIPE = [
     "--model", "edm2", "--model_channels", "32", "--channel_mult", "1", "2", "2", "--layers_per_block", "1",
     "--attention_resolutions", "8", "--channels_per_head", "32",
     "--lsc", "cs", "--kappa", "0.7",
-    "--recipe", "edm2", "--learning_rate", "0.01", "--lr_warmup_steps", "100", "--lr_ref_steps", "1000",
-    "--resolution", "32", "--train_batch_size", "64",
+    "--recipe", "edm2", "--learning_rate", "0.01", "--lr_warmup_steps", "100", "--lr_ref_steps", "2000",
+    "--resolution", "32", "--train_batch_size", "32",
     "--ema_sigma_rels", "0.05", "0.10", "--snapshot_every", "100",
     "--checkpointing_steps", "250", "--checkpoints_total_limit", "1",
     "--save_images_steps", "500", "--num_grid_images", "16", "--num_inference_steps", "12",
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--output_dir", required=True, help="folder for the training run, pipeline, grid and metric")
-    parser.add_argument("--max_train_steps", type=int, default=2000, help="optimiser steps (batch 64)")
+    parser.add_argument("--max_train_steps", type=int, default=4000, help="optimiser steps (batch 32)")
     parser.add_argument(
         "--minutes", type=float, default=7.5, help="stop training after this wall time even if steps remain"
     )

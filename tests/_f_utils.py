@@ -30,10 +30,13 @@ def script_env() -> dict[str, str]:
     return env
 
 
-def run_script(script: Path, args: list, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run a training script in a fresh Python process; on failure show its output."""
+def run_script(
+    script: Path, args: list, check: bool = True, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run a training script in a fresh Python process (``env`` adds variables); on failure show its output."""
     command = [sys.executable, str(script), *map(str, args)]
-    result = subprocess.run(command, capture_output=True, text=True, env=script_env(), timeout=timeout, cwd=ROOT)
+    full_env = {**script_env(), **(env or {})}
+    result = subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result

@@ -189,3 +189,32 @@ def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(tmp_path):
     assert f"The last good checkpoint is {checkpoints[-1]}" in result.stderr
     assert "the loss is nan" in result.stderr or "the loss is inf" in result.stderr
     assert not (output / "model_index.json").exists()
+
+
+def test_push_to_hub_uploads_pipeline_and_snapshots(local_hub, tmp_path):
+    from huggingface_hub import HfApi
+
+    output = tmp_path / "pushed"
+    args = [
+        "--output_dir",
+        output,
+        *TINY_UNET,
+        "--max_train_steps",
+        2,
+        "--ema_sigma_rels",
+        "0.1",
+        "--snapshot_every",
+        1,
+    ]
+    args += ["--push_to_hub", "--hub_model_id", "trainer/tiny-ddpm"]
+    hub_env = local_hub.env(hub_cache=tmp_path / "cache")
+    run_script(
+        TRAIN_UNCONDITIONAL,
+        args,
+        env={k: hub_env[k] for k in ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "HF_HUB_OFFLINE", "HF_HUB_CACHE")},
+    )
+    files = set(HfApi(endpoint=local_hub.endpoint).list_repo_files("trainer/tiny-ddpm"))
+    assert {"model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors", "README.md"} <= files
+    local_snapshots = {p.name for p in (output / "ema_snapshots").glob("*.safetensors")}
+    assert len(local_snapshots) == 2 and all(any(f.endswith(name) for f in files) for name in local_snapshots)
+    assert not any(f.startswith(("checkpoint-", "logs/", "samples/")) for f in files)

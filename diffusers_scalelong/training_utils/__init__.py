@@ -19,7 +19,7 @@ from .data import (
     num_classes,
 )
 from .ema import TrainingEMA, count_parameters
-from .export import push_folder_to_hub, save_pipeline_atomic
+from .export import push_run_to_hub, save_pipeline_atomic
 from .images import make_image_grid, save_image_grid
 from .io import ensure_writable_dir, save_image_atomic
 from .loop import TrainingDiverged, TrainingJob, run_script_main, run_training
@@ -60,7 +60,7 @@ __all__ = [
     "num_classes",
     "positive_float",
     "positive_int",
-    "push_folder_to_hub",
+    "push_run_to_hub",
     "resolve_resume_checkpoint",
     "rotate_checkpoints",
     "run_script_main",

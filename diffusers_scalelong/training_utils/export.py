@@ -7,8 +7,6 @@ from pathlib import Path
 
 from .io import replace_folder_contents
 
-PIPELINE_IGNORE_PATTERNS = ["checkpoint-*", ".checkpoint-*", "logs/*", "samples/*", ".*"]
-
 
 def save_pipeline_atomic(pipeline, output_dir: str | os.PathLike) -> Path:
     """``pipeline.save_pretrained`` into a temporary folder, then swap its entries into ``output_dir``.
@@ -25,16 +23,17 @@ def save_pipeline_atomic(pipeline, output_dir: str | os.PathLike) -> Path:
     return output_dir
 
 
-def push_folder_to_hub(folder: str | os.PathLike, repo_id: str, private: bool = False) -> str:
-    """Upload the pipeline and EMA snapshots of ``folder`` (not checkpoints, logs or sample grids) to ``repo_id``."""
-    from huggingface_hub import HfApi
+def push_run_to_hub(pipeline, output_dir: str | os.PathLike, repo_id: str, private: bool = False) -> str:
+    """Upload the final pipeline (Hub-native layout with model card) and the run's post-hoc EMA snapshots.
 
-    api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=str(folder),
-        ignore_patterns=PIPELINE_IGNORE_PATTERNS,
-        commit_message="Upload trained pipeline",
-    )
-    return commit.commit_url
+    Returns the pipeline commit URL. Credentials and endpoint come from the environment (``HF_TOKEN``,
+    ``HF_ENDPOINT``), as for every ``huggingface_hub`` call.
+    """
+    from ..hub import push_snapshots
+    from ..pipelines import push_pipeline_to_hub
+
+    url = push_pipeline_to_hub(pipeline, repo_id, private=private or None)
+    snapshots = Path(output_dir) / "ema_snapshots"
+    if snapshots.is_dir() and any(snapshots.glob("*.safetensors")):
+        push_snapshots(snapshots, repo_id)
+    return url

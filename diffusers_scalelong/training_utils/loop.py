@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .checkpoints import list_checkpoints, load_components, save_checkpoint, save_components
 from .ema import TrainingEMA, count_parameters
-from .export import push_folder_to_hub, save_pipeline_atomic
+from .export import push_run_to_hub, save_pipeline_atomic
 from .images import save_image_grid
 from .rng import TrainingRNG
 
@@ -249,10 +249,11 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     if diagnostics is not None and diagnostics.history:
         diagnostics.plot(output_dir / "stability.png")
     if accelerator.is_main_process:
-        save_pipeline_atomic(job.make_pipeline(ema.export_unet(unet)), output_dir)
+        pipeline = job.make_pipeline(ema.export_unet(unet))
+        save_pipeline_atomic(pipeline, output_dir)
         accelerator.print(f"pipeline saved to {output_dir}")
         if args.push_to_hub:
-            url = push_folder_to_hub(output_dir, args.hub_model_id, private=args.hub_private_repo)
+            url = push_run_to_hub(pipeline, output_dir, args.hub_model_id, private=args.hub_private_repo)
             accelerator.print(f"pushed to {url}")
     accelerator.end_training()
     return output_dir
