@@ -72,6 +72,7 @@ def test_short_training_lowers_the_loss_and_uncertainty_tracks_the_error():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 100 s of CPU time; more wall time on a busy machine
 def test_longer_training_lowers_the_loss_and_uncertainty_tracks_the_error_closely():
     errors, measured, predicted = train_and_evaluate(resolution=16, model_channels=24, steps=500, batch_size=32)
     check(errors, measured, predicted, improvement=0.6, tolerance=0.15)

@@ -313,3 +313,28 @@ def test_bad_input_raises_value_error():
         model(x, torch.tensor([1, 2]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="unconditional"):
         tiny_model()(x, 0.0, torch.tensor([0, 1]))
+
+
+def test_loads_in_bfloat16_and_runs_bfloat16_samples(tmp_path):
+    model = randomize_gains(tiny_model(num_class_embeds=3)).eval()
+    model.save_pretrained(tmp_path)
+    low = EDM2UNet2DModel.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert low.conv_in.weight.dtype == torch.bfloat16
+    x, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 2])
+    with torch.no_grad():
+        out = low(x.to(torch.bfloat16), 0.1, labels).sample
+        reference = model(x, 0.1, labels).sample
+    assert out.dtype == torch.bfloat16
+    assert rms(out.float() - reference) < 0.05 * rms(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # inductor compiles C++ kernels: minutes of CPU time
+def test_torch_compile_inductor_fullgraph_without_recompiles():
+    model = randomize_gains(tiny_model(num_class_embeds=3, lsc_method="ls")).eval()
+    compiled = torch.compile(model, fullgraph=True)
+    x, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 2])
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for t in (0.1, -0.3):
+            c_noise = torch.full((2,), t)
+            torch.testing.assert_close(compiled(x, c_noise, labels).sample, model(x, c_noise, labels).sample)

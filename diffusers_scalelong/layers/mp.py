@@ -248,13 +248,17 @@ class Block(nn.Module):
         self.to_out = MPConv(out_channels, out_channels, kernel=(1, 1)) if self.num_heads else None
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        """Cosine self-attention; ``to_qkv`` channels are laid out as [head, channel, (q, k, v)]."""
+        """Cosine self-attention ``to_out(softmax(q^T k / sqrt(d)) v)`` with q, k, v pixel-normalised per head.
+
+        ``to_qkv`` channels are laid out as [head, channel, (q, k, v)]; the softmax runs in PyTorch's
+        ``scaled_dot_product_attention`` (memory-efficient kernels where available).
+        """
         n, c, h, w = x.shape
         qkv = self.to_qkv(x).reshape(n, self.num_heads, c // self.num_heads, 3, h * w)
-        q, k, v = normalize(qkv, dim=2).unbind(3)
-        scores = torch.einsum("nhcq,nhck->nhqk", q, k / math.sqrt(q.shape[2])).softmax(dim=3)
-        y = torch.einsum("nhqk,nhck->nhcq", scores, v)
-        return self.to_out(y.reshape(n, c, h, w))
+        # Each [n, heads, pixels, d]; contiguous, so that the fused (flash / memory-efficient) kernels apply.
+        q, k, v = (t.contiguous() for t in normalize(qkv, dim=2).transpose(2, 4).unbind(3))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.to_out(y.transpose(2, 3).reshape(n, c, h, w))
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         x = resample(x, self.resample_mode)
