@@ -70,7 +70,9 @@ def train(args: argparse.Namespace, train_dir: Path) -> None:
     command = [sys.executable, str(TRAIN_SCRIPT), "--output_dir", str(train_dir), *TRAINING_RECIPE]
     command += ["--max_train_steps", str(args.max_train_steps), "--max_train_time_minutes", str(args.minutes)]
     command += ["--seed", str(args.seed), "--resume_from_checkpoint", "latest"]
-    subprocess.run(command, check=True)
+    result = subprocess.run(command)
+    if result.returncode != 0:
+        raise SystemExit(f"training stopped with exit code {result.returncode}; rerun the same command to resume it")
 
 
 @torch.no_grad()
