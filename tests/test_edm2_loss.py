@@ -73,6 +73,20 @@ def test_sigma_is_log_normal_with_p_mean_and_p_std():
         EDM2Loss(P_std=0)
 
 
+def test_sigma_data_from_the_loss_for_a_wrapped_denoiser():
+    denoiser = tiny_denoiser()
+    wrapped = torch.nn.Sequential()  # stands in for a data-parallel wrapper: no .sigma_data attribute
+    wrapped.forward = denoiser.forward
+    images, labels, sigma = torch.randn(2, 2, 8, 8), torch.tensor([0, 1]), torch.tensor([0.3, 3.0])
+    expected = EDM2Loss()(denoiser, images, labels, sigma=sigma, generator=torch.Generator().manual_seed(0))
+    actual = EDM2Loss(sigma_data=0.5)(wrapped, images, labels, sigma=sigma, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(actual.loss, expected.loss)
+    with pytest.raises(ValueError, match="needs sigma_data"):
+        EDM2Loss()(wrapped, images, labels)
+    with pytest.raises(ValueError, match="differs"):
+        EDM2Loss(sigma_data=1.0)(denoiser, images, labels)
+
+
 def test_inverse_sqrt_lr_follows_the_equation_with_lambda_lr():
     lr_lambda = inverse_sqrt_lr_lambda(t_ref=100, warmup_steps=10)
     for step in [0, 5, 10, 50, 100, 400, 10_000]:

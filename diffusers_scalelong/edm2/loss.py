@@ -32,14 +32,18 @@ class EDM2Loss:
     ``ln sigma ~ N(P_mean, P_std^2)``, ``n ~ N(0, sigma^2 I)``, ``w(sigma) = (sigma^2 + sd^2) / (sigma sd)^2``;
     per element ``L = (w / exp(u(sigma))) (D(y + n; sigma) - y)^2 + u(sigma)``, summed over pixels, averaged over
     the batch. Without an uncertainty head ``u = 0`` and this is the EDM loss. Defaults: ImageNet-512 latents
-    (``P_mean=-0.4, P_std=1.0``); ImageNet-64 pixels use ``-0.8, 1.6``.
+    (``P_mean=-0.4, P_std=1.0``); ImageNet-64 pixels use ``-0.8, 1.6``. ``sigma_data`` (of ``w``) is the
+    denoiser's own ``.sigma_data`` unless given here (e.g. for a denoiser wrapped by DistributedDataParallel).
     """
 
-    def __init__(self, P_mean: float = -0.4, P_std: float = 1.0):
+    def __init__(self, P_mean: float = -0.4, P_std: float = 1.0, sigma_data: float | None = None):
         if not P_std > 0:
             raise ValueError(f"P_std must be positive, got {P_std}")
+        if sigma_data is not None and not sigma_data > 0:
+            raise ValueError(f"sigma_data must be positive, got {sigma_data}")
         self.P_mean = float(P_mean)
         self.P_std = float(P_std)
+        self.sigma_data = sigma_data
 
     def sample_sigma(
         self, batch_size: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
@@ -50,7 +54,7 @@ class EDM2Loss:
 
     def __call__(
         self,
-        denoiser: EDMPreconditioner,
+        denoiser: EDMPreconditioner | torch.nn.Module,
         images: torch.Tensor,
         class_labels: torch.Tensor | None = None,
         sigma: torch.Tensor | None = None,
@@ -62,7 +66,11 @@ class EDM2Loss:
             sigma = self.sample_sigma(y.shape[0], y.device, generator)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=y.device).reshape(-1).expand(y.shape[0])
         s = sigma.reshape(-1, 1, 1, 1)
-        sd = denoiser.sigma_data
+        sd = self.sigma_data if self.sigma_data is not None else getattr(denoiser, "sigma_data", None)
+        if sd is None:
+            raise ValueError("EDM2Loss needs sigma_data: pass EDM2Loss(sigma_data=...) or a denoiser with .sigma_data")
+        if getattr(denoiser, "sigma_data", sd) != sd:
+            raise ValueError(f"EDM2Loss(sigma_data={sd}) differs from the denoiser's sigma_data={denoiser.sigma_data}")
         weight = (s**2 + sd**2) / (s * sd) ** 2
         noise = torch.randn(y.shape, generator=generator, device=y.device, dtype=torch.float32) * s
         denoised, logvar = denoiser(y + noise, sigma, class_labels, return_logvar=True)
