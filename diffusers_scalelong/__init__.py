@@ -6,4 +6,35 @@ finds the classes that ``model_index.json`` names by module path.
 
 __version__ = "0.1.0"
 
-from . import edm2, ema, layers, models, pipelines, scalelong, schedulers  # noqa: E402,F401
+from . import edm2, ema, layers, models, pipelines, scalelong, schedulers  # noqa: E402
+from .edm2 import EDM2Loss, EDMPreconditioner, LearnedUncertainty, inverse_sqrt_lr_lambda  # noqa: E402
+from .ema import PowerFunctionEMA, list_snapshots, reconstruct_ema  # noqa: E402
+from .models import EDM2UNet2DModel, ScaleLongUNet2DConditionModel, ScaleLongUNet2DModel, UViT2DModel  # noqa: E402
+from .pipelines import EDM2Pipeline  # noqa: E402
+from .scalelong import apply_lsc, remove_lsc  # noqa: E402
+from .schedulers import EDMHeunScheduler  # noqa: E402
+
+__all__ = [
+    "EDM2Loss",
+    "EDM2Pipeline",
+    "EDM2UNet2DModel",
+    "EDMHeunScheduler",
+    "EDMPreconditioner",
+    "LearnedUncertainty",
+    "PowerFunctionEMA",
+    "ScaleLongUNet2DConditionModel",
+    "ScaleLongUNet2DModel",
+    "UViT2DModel",
+    "apply_lsc",
+    "edm2",
+    "ema",
+    "inverse_sqrt_lr_lambda",
+    "layers",
+    "list_snapshots",
+    "models",
+    "pipelines",
+    "reconstruct_ema",
+    "remove_lsc",
+    "scalelong",
+    "schedulers",
+]

@@ -1,5 +1,7 @@
-"""models subpackage."""
+"""diffusers models: ScaleLong UNets, the U-ViT and the EDM2 UNet."""
 
-from .edm2_unet import EDM2UNet2DModel  # noqa: F401
-from .scalelong_unet import ScaleLongUNet2DConditionModel, ScaleLongUNet2DModel  # noqa: F401
-from .uvit import UViT2DModel  # noqa: F401
+from .edm2_unet import EDM2UNet2DModel
+from .scalelong_unet import ScaleLongUNet2DConditionModel, ScaleLongUNet2DModel
+from .uvit import UViT2DModel
+
+__all__ = ["EDM2UNet2DModel", "ScaleLongUNet2DConditionModel", "ScaleLongUNet2DModel", "UViT2DModel"]
