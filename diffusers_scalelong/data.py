@@ -203,17 +203,23 @@ def _dataset_cached(folder: str | None, split: str) -> datasets.Dataset:
     return _arrays_to_dataset(*_load_arrays_cached(folder, split))
 
 
+def _fresh_view(folder: str | None, split: str) -> datasets.Dataset:
+    """A new Dataset object over the cached Arrow table (milliseconds), so that in-place changes one caller makes
+    (``set_transform``, ``set_format``) do not reach other callers."""
+    return _dataset_cached(folder, split).with_format(None)
+
+
 def load_default_dataset(split: str = "test") -> datasets.Dataset:
     """The Fashion-MNIST test split embedded in the package: 10,000 ``image`` (PIL, L, 28x28) and ``label`` rows.
 
-    The decoded dataset is cached per process; treat it as read-only (``datasets`` operations return new datasets).
+    The decoded table is cached per process; each call returns a new Dataset object over it.
     """
     if split != "test":
         raise ValueError(
             f"only the Fashion-MNIST test split is embedded in the package, got split={split!r}; "
             "use load_fashion_mnist(data_dir, split='train') for the 60k training images"
         )
-    return _dataset_cached(None, "test")
+    return _fresh_view(None, "test")
 
 
 def load_fashion_mnist(data_dir: str | os.PathLike | None = None, split: str = "train") -> datasets.Dataset:
@@ -225,7 +231,7 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None = None, split: str = "
     """
     _check_split(split)
     folder = _fashion_mnist_dir(data_dir, split).resolve()
-    return _dataset_cached(str(folder), split)
+    return _fresh_view(str(folder), split)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import gzip
 import hashlib
 import struct
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -71,7 +72,12 @@ def test_default_dataset_matches_raw_idx_bytes():
 
 
 def test_default_dataset_is_cached_and_other_splits_rejected():
-    assert data.load_default_dataset() is data.load_default_dataset()
+    first = data.load_default_dataset()
+    first.set_transform(lambda batch: {"label": [-1] * len(batch["label"])})  # in place, on this object only
+    start = time.perf_counter()
+    second = data.load_default_dataset()
+    assert time.perf_counter() - start < 0.5  # the decoded table is cached
+    assert second.data.table is first.data.table and second[0]["label"] == 9 and first[0]["label"] == -1
     with pytest.raises(ValueError, match="only the Fashion-MNIST test split"):
         data.load_default_dataset("train")
     assert len(data.load_image_dataset()) == 10_000  # no source given: the embedded split
@@ -110,7 +116,7 @@ def test_installed_full_fashion_mnist():
     train = data.load_fashion_mnist(split="train")
     assert len(train) == 60_000
     assert np.bincount(train["label"]).tolist() == [6000] * 10
-    assert data.load_image_dataset("fashion-mnist", split="train") is train
+    assert data.load_image_dataset("fashion-mnist", split="train").data.table is train.data.table
 
 
 def test_missing_file_names_the_file(tmp_path):
