@@ -54,9 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--minutes", type=float, default=7.5, help="stop training after this wall time even if steps remain"
     )
     parser.add_argument("--sigma_rel", type=float, default=0.10, help="EMA length reconstructed after training")
-    parser.add_argument("--num_samples", type=int, default=512, help="generated images for the metric")
+    parser.add_argument("--num_samples", type=int, default=256, help="generated images for the metric")
     parser.add_argument(
-        "--num_inference_steps", type=int, default=16, help="EDM Heun steps (2N - 1 network evaluations)"
+        "--num_inference_steps", type=int, default=12, help="EDM Heun steps (2N - 1 network evaluations)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of training and sampling")
     return parser.parse_args(argv)

@@ -72,31 +72,72 @@ def test_run_writes_checkpoints_grid_and_pipeline(tiny_run):
     assert index["unet"] == ["diffusers_scalelong.models.scalelong_unet", "ScaleLongUNet2DModel"]
 
 
-def test_finetune_vanilla_pipeline_with_cs_then_load_both_in_fresh_process(tiny_run, vanilla_pipeline, tmp_path):
+def test_finetune_vanilla_pipeline_with_cs_then_load_all_in_fresh_process(tiny_run, vanilla_pipeline, tmp_path):
+    small = ["--resolution", "16", "--max_train_samples", "32", "--train_batch_size", "8", "--max_train_steps", "2"]
+    small += ["--report_to", "none", "--num_inference_steps", "2", "--num_grid_images", "4"]
     finetuned = tmp_path / "finetuned"
-    args = [
-        "--output_dir",
-        finetuned,
-        "--pretrained_model_name_or_path",
-        vanilla_pipeline,
-        "--lsc",
-        "cs",
-        "--kappa",
-        "0.5",
-    ]
-    args += [
-        "--resolution",
-        "16",
-        "--max_train_samples",
-        "32",
-        "--train_batch_size",
-        "8",
-        "--max_train_steps",
+    run_script(
+        TRAIN_UNCONDITIONAL,
+        [
+            "--output_dir",
+            finetuned,
+            "--pretrained_model_name_or_path",
+            vanilla_pipeline,
+            "--lsc",
+            "cs",
+            "--kappa",
+            "0.5",
+            *small,
+        ],
+    )
+    # the EDM2 recipe on a class-conditional EDM2 UNet (its grid is skipped: it would need labels) ...
+    edm2 = tmp_path / "edm2"
+    edm2_args = ["--model", "edm2", "--recipe", "edm2", "--lsc", "cs", "--kappa", "0.7", "--model_channels", "16"]
+    edm2_args += [
+        "--channel_mult",
+        "1",
         "2",
-        "--report_to",
-        "none",
+        "--layers_per_block",
+        "1",
+        "--attention_resolutions",
+        "8",
+        "--channels_per_head",
+        "16",
     ]
-    run_script(TRAIN_UNCONDITIONAL, args)
+    run_script(
+        TRAIN_UNCONDITIONAL,
+        [
+            "--output_dir",
+            edm2,
+            *edm2_args,
+            "--class_conditional",
+            "--ema_sigma_rels",
+            "0.1",
+            "--snapshot_every",
+            "1",
+            *small,
+        ],
+    )
+    assert len(list((edm2 / "ema_snapshots").iterdir())) == 2
+    # ... and the U-ViT with learnable (LS) skip gates, with a sample grid and the stability plot
+    uvit = tmp_path / "uvit"
+    uvit_args = [
+        "--model",
+        "uvit",
+        "--lsc",
+        "ls",
+        "--uvit_embed_dim",
+        "32",
+        "--uvit_depth",
+        "4",
+        "--uvit_num_heads",
+        "2",
+    ]
+    run_script(
+        TRAIN_UNCONDITIONAL,
+        ["--output_dir", uvit, *uvit_args, "--save_images_steps", "2", "--diagnostics_every", "1", *small],
+    )
+    assert (uvit / "samples" / "step-0000002.png").is_file() and (uvit / "stability.png").is_file()
 
     # a fresh interpreter: the plugin classes must be found through model_index.json after `import diffusers_scalelong`
     check = textwrap.dedent("""
@@ -105,23 +146,23 @@ def test_finetune_vanilla_pipeline_with_cs_then_load_both_in_fresh_process(tiny_
         from diffusers import DiffusionPipeline, UNet2DModel
         for folder in sys.argv[1:]:
             pipe = DiffusionPipeline.from_pretrained(folder)
-            images = pipe(batch_size=2, num_inference_steps=3, output_type="np", generator=torch.Generator().manual_seed(0)).images
+            labels = {"class_labels": [0, 7]} if getattr(pipe.unet.config, "num_class_embeds", None) else {}
+            images = pipe(batch_size=2, num_inference_steps=3, output_type="np", generator=torch.Generator().manual_seed(0), **labels).images
             assert images.shape == (2, 16, 16, 1) and (images >= 0).all() and (images <= 1).all(), images.shape
             print(type(pipe).__name__, type(pipe.unet).__name__, pipe.unet.config.lsc_method, pipe.unet.config.lsc_kappa)
         # a CS fine-tune keeps vanilla parameter names, so it also loads back into diffusers' own class
-        UNet2DModel.from_pretrained(sys.argv[-1], subfolder="unet")
+        UNet2DModel.from_pretrained(sys.argv[2], subfolder="unet")
     """)
+    folders = [str(f) for f in (tiny_run, finetuned, edm2, uvit)]
     result = subprocess.run(
-        [sys.executable, "-c", check, str(tiny_run), str(finetuned)],
-        capture_output=True,
-        text=True,
-        env=script_env(),
-        cwd=ROOT,
+        [sys.executable, "-c", check, *folders], capture_output=True, text=True, env=script_env(), cwd=ROOT
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:2] == [
+    assert result.stdout.split("\n")[:4] == [
         "DDPMPipeline ScaleLongUNet2DModel cs 0.7",
         "DDPMPipeline ScaleLongUNet2DModel cs 0.5",
+        "EDM2Pipeline EDM2UNet2DModel cs 0.7",
+        "DDPMPipeline UViT2DModel ls 0.5",
     ]
 
     from safetensors.torch import load_file
