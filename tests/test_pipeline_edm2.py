@@ -98,7 +98,7 @@ def test_batch_equals_single_with_per_image_generators(scheduler_cls):
     ).images
     for k, (label, seed) in enumerate([(3, 5), (0, 6), (2, 7)]):
         single = pipe(class_labels=label, num_inference_steps=STEPS, generator=[gen(seed)], output_type="pt").images
-        torch.testing.assert_close(batch[k : k + 1], single, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(batch[k : k + 1], single, atol=1e-4, rtol=1e-4)  # diffusers: 1e-4
 
 
 def test_class_label_int_applies_to_batch_and_labels_change_output(conditional_pipe):
