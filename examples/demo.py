@@ -64,18 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default: all cores on an idle machine, 1 on a busy one)",
+        help="torch threads (default: all cores; on a machine busy with other jobs 1 is faster, because "
+        "multi-threaded CPU kernels stall waiting for descheduled threads)",
     )
     return parser.parse_args(argv)
-
-
-def choose_threads(requested: int | None) -> int:
-    """All cores when the machine is idle; one thread when other jobs keep it busy, because multi-threaded CPU
-    kernels then stall at every barrier waiting for a descheduled thread (measured: over 10x slower)."""
-    if requested is not None:
-        return requested
-    cores = os.cpu_count() or 1
-    return cores if os.getloadavg()[0] < 0.5 * cores else 1
 
 
 def train(args: argparse.Namespace, train_dir: Path) -> None:
@@ -109,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(args.output_dir)
     train_dir = output_dir / "train"
     started = time.monotonic()
-    args.threads = choose_threads(args.threads)
+    args.threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(args.threads)
     print(f"using {args.threads} torch thread(s)")
     train(args, train_dir)
