@@ -10,13 +10,13 @@ through this wrapper samples with those schedulers unchanged:
 
 import json
 import os
-import tempfile
 from functools import lru_cache
 
 import torch
 from diffusers import EDMEulerScheduler
 from torch import nn
 
+from ..atomic import atomic_write_text
 from ..models.edm2_unet import EDM2UNet2DModel
 from .uncertainty import LearnedUncertainty
 
@@ -100,9 +100,7 @@ class EDMPreconditioner(nn.Module):
         if self.uncertainty is not None:
             self.uncertainty.save_pretrained(os.path.join(save_directory, "uncertainty"), **kwargs)
         config = {"sigma_data": self.sigma_data, "unet_class": type(self.unet).__name__}
-        with tempfile.NamedTemporaryFile("w", dir=save_directory, suffix=".tmp", delete=False) as handle:
-            json.dump(config, handle, indent=2)
-        os.replace(handle.name, os.path.join(save_directory, PRECONDITIONER_CONFIG))
+        atomic_write_text(os.path.join(save_directory, PRECONDITIONER_CONFIG), json.dumps(config, indent=2))
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **kwargs) -> "EDMPreconditioner":

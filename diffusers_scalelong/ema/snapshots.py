@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from ..atomic import atomic_path
 
 SNAPSHOT_FORMAT = "diffusers_scalelong.phema-snapshot"
 SNAPSHOT_FORMAT_VERSION = 1
@@ -142,19 +143,9 @@ def write_snapshot(
 
 
 def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file`` to a temporary file in the same folder, fsync, then ``os.replace``."""
-    path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp_name, metadata=metadata)
-        with open(tmp_name, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
+    """``safetensors.torch.save_file`` written atomically (temporary file in the same folder, then rename)."""
+    with atomic_path(path) as temporary:
+        save_file(tensors, str(temporary), metadata=metadata)
 
 
 def read_snapshot_info(path: str | os.PathLike) -> SnapshotInfo:

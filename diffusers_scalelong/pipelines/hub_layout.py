@@ -24,6 +24,8 @@ from typing import Any
 from diffusers import DiffusionPipeline
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
+from ..atomic import atomic_write_text
+
 PACKAGE = "diffusers_scalelong"
 COMPONENT_SHIM = "diffusers_scalelong_components"
 PIPELINE_SHIMS = {"EDM2Pipeline": "edm2_pipeline"}
@@ -40,18 +42,6 @@ def shim_folder() -> Path:
         f"the Hub shim files ({COMPONENT_SHIM}.py, ...) were found neither in {package / 'hub_shims'} nor in "
         f"{package.parent / 'pipelines'}; they ship in the project's top-level pipelines/ folder"
     )
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def write_hub_layout(folder: str | os.PathLike) -> dict[str, Any]:
@@ -72,7 +62,7 @@ def write_hub_layout(folder: str | os.PathLike) -> dict[str, Any]:
             continue
         library, class_name = entry
         if library == PACKAGE or library.startswith(f"{PACKAGE}."):
-            _atomic_write(folder / name / f"{COMPONENT_SHIM}.py", (shims / f"{COMPONENT_SHIM}.py").read_text())
+            atomic_write_text(folder / name / f"{COMPONENT_SHIM}.py", (shims / f"{COMPONENT_SHIM}.py").read_text())
             index[name] = [COMPONENT_SHIM, class_name]
 
     pipeline_class = index.get("_class_name")
@@ -80,10 +70,10 @@ def write_hub_layout(folder: str | os.PathLike) -> dict[str, Any]:
         pipeline_class = pipeline_class[1]
     if pipeline_class in PIPELINE_SHIMS:
         shim = PIPELINE_SHIMS[pipeline_class]
-        _atomic_write(folder / f"{shim}.py", (shims / f"{shim}.py").read_text())
+        atomic_write_text(folder / f"{shim}.py", (shims / f"{shim}.py").read_text())
         index["_class_name"] = [shim, pipeline_class]
 
-    _atomic_write(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
     return index
 
 
@@ -180,6 +170,6 @@ def push_pipeline_to_hub(
         pipeline.save_pretrained(tmp, safe_serialization=True, variant=variant)
         write_hub_layout(tmp)
         card = model_card(pipeline, repo_id, ema_sigma_rel, sampler_settings, dataset)
-        _atomic_write(Path(tmp) / "README.md", str(card))
+        atomic_write_text(Path(tmp) / "README.md", str(card))
         commit = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message)
     return str(commit)

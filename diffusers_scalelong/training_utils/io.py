@@ -7,6 +7,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from ..atomic import atomic_path
+
 
 def ensure_writable_dir(path: str | os.PathLike, option: str = "--output_dir") -> Path:
     """Create ``path`` if needed and prove it is writable by writing and removing a temporary file.
@@ -25,16 +27,8 @@ def ensure_writable_dir(path: str | os.PathLike, option: str = "--output_dir") -
 
 def save_image_atomic(image: Image.Image, path: str | os.PathLike) -> None:
     """Write a PNG through a temporary file in the same folder, then ``os.replace`` it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".png")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            image.save(stream, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as temporary:
+        image.save(temporary, format="PNG")
 
 
 def replace_folder_contents(source: str | os.PathLike, target: str | os.PathLike, last: tuple[str, ...] = ()) -> None:
