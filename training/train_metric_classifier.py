@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from diffusers_scalelong.atomic import atomic_path, atomic_write_text
 from diffusers_scalelong.data import load_fashion_mnist_arrays
 from diffusers_scalelong.metrics.fmnist_net import RECORD_NAME, WEIGHTS_NAME, FMNISTNet, sha256_bytes
 
@@ -68,18 +67,6 @@ def accuracy(model: FMNISTNet, x: torch.Tensor, labels: torch.Tensor, batch_size
     return correct / len(x)
 
 
-def save_atomic(folder: Path, name: str, write) -> None:
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", delete=False) as tmp:
-        pass
-    try:
-        write(tmp.name)
-        os.chmod(tmp.name, 0o644)
-        os.replace(tmp.name, folder / name)
-    except BaseException:
-        os.unlink(tmp.name)
-        raise
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -118,7 +105,8 @@ def main(argv=None) -> dict:
     test_accuracy = accuracy(model, x_test, y_test)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    save_atomic(args.output_dir, WEIGHTS_NAME, lambda path: save_file(state, path))
+    with atomic_path(args.output_dir / WEIGHTS_NAME) as temporary:
+        save_file(state, str(temporary))
     record = {
         "model": "FMNISTNet",
         "test_accuracy": test_accuracy,
@@ -132,7 +120,7 @@ def main(argv=None) -> dict:
         "torch_version": torch.__version__,
         "train_seconds": round(train_seconds, 1),
     }
-    save_atomic(args.output_dir, RECORD_NAME, lambda path: Path(path).write_text(json.dumps(record, indent=2) + "\n"))
+    atomic_write_text(args.output_dir / RECORD_NAME, json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
     return record
 
