@@ -1,11 +1,12 @@
 """Training-stability diagnostics suggested by ScaleLong's analysis (arXiv 2310.13545).
 
 ``StabilityDiagnostics`` attaches removable hooks to a diffusers conv UNet (``UNet2DModel``,
-``UNet2DConditionModel`` and their ScaleLong subclasses) or to ``UViT2DModel`` and, on every ``every_n_steps``-th
-step only, records:
+``UNet2DConditionModel`` and their ScaleLong subclasses), to ``UViT2DModel`` or to ``EDM2UNet2DModel`` and, on
+every ``every_n_steps``-th step only, records:
 
 - per long skip ``i`` (1 = outermost): the L2 norm of the (scaled) skip and of the decoder feature it is
-  concatenated with, taken at the concatenation itself (``skip/<i>/scaled``, ``skip/<i>/decoder``);
+  concatenated with, taken at the concatenation itself (``skip/<i>/scaled``, ``skip/<i>/decoder``; for EDM2 these
+  are the two weighted parts of ``mp_cat``'s output, as the decoder block receives them);
 - the L2 norm of every block's output (``block/<name>``), the global and per-block gradient norms
   (``grad/global``, ``grad/<name>``), the LS gate values (``gate/<g>/mean``, ``gate/<g>/std``);
 - the loss per noise-level bin (``loss/bin<b>``) and the robustness ``||f(x + d) - f(x)|| / ||d||`` for small
@@ -116,8 +117,20 @@ class StabilityDiagnostics:
                 modules.append(model.mid_block)
             blocks += [f"up{k}" for k in range(len(model.up_blocks))]
             modules += list(model.up_blocks)
+        elif hasattr(model, "decoder_blocks") and hasattr(model, "_skip_index"):  # EDM2 UNet
+            for j, (block, index) in enumerate(zip(model.decoder_blocks, model._skip_index, strict=True)):
+                if index is not None:  # the block's input is mp_cat(x, skip), x being the previous block's output
+                    split = model.decoder_blocks[j - 1].out_channels
+                    self._handles.append(block.register_forward_pre_hook(self._edm2_skip_hook(index + 1, split)))
+            blocks = [
+                *(f"enc{k}" for k in range(len(model.encoder_blocks))),
+                *(f"dec{k}" for k in range(len(model.decoder_blocks))),
+            ]
+            modules = [*model.encoder_blocks, *model.decoder_blocks]
         else:
-            raise ValueError(f"StabilityDiagnostics: {type(model).__name__} is neither a diffusers UNet nor a U-ViT")
+            raise ValueError(
+                f"StabilityDiagnostics: {type(model).__name__} is not a diffusers UNet, U-ViT or EDM2 UNet"
+            )
         for name, module in zip(blocks, modules, strict=True):
             self._handles.append(module.register_forward_hook(self._block_output_hook(name)))
         lsc = getattr(model, "lsc", None)
@@ -144,6 +157,16 @@ class StabilityDiagnostics:
                 joined = args[0] if args else kwargs["input_tensor"]
                 self._pending[f"skip/{skip_number}/decoder"] = _mean_norm(joined[:, :-width])
                 self._pending[f"skip/{skip_number}/scaled"] = _mean_norm(joined[:, -width:])
+
+        return hook
+
+    def _edm2_skip_hook(self, skip_number: int, split: int):
+        """Pre-hook of an EDM2 decoder block: splits ``mp_cat(x, skip)`` after ``x``'s ``split`` channels."""
+
+        def hook(module, args):
+            if self.recording:
+                self._pending[f"skip/{skip_number}/decoder"] = _mean_norm(args[0][:, :split])
+                self._pending[f"skip/{skip_number}/scaled"] = _mean_norm(args[0][:, split:])
 
         return hook
 

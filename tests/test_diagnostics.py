@@ -7,7 +7,9 @@ import torch
 from diffusers import UNet2DModel
 
 from diffusers_scalelong.diagnostics import StabilityDiagnostics
-from diffusers_scalelong.models import ScaleLongUNet2DModel, UViT2DModel
+from diffusers_scalelong.edm2 import EDM2Loss, EDMPreconditioner, LearnedUncertainty
+from diffusers_scalelong.models import EDM2UNet2DModel, ScaleLongUNet2DModel, UViT2DModel
+from diffusers_scalelong.training_utils.loop import make_diagnostics
 
 UNET_CONFIG = dict(
     sample_size=8,
@@ -132,7 +134,7 @@ def test_detach_removes_only_its_hooks_and_plot_writes_png(tmp_path):
 
 
 def test_rejects_unsupported_models_and_options():
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="not a diffusers UNet"):
         StabilityDiagnostics(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="every_n_steps"):
         StabilityDiagnostics(UNet2DModel(**UNET_CONFIG), every_n_steps=0)
@@ -152,3 +154,110 @@ def test_logs_to_an_accelerate_tracker(tmp_path):
         accelerator.log(logs, step=step)
     accelerator.end_training()
     assert list((tmp_path / "stability").glob("events.out.tfevents.*"))
+
+
+EDM2_CONFIG = dict(
+    sample_size=8, in_channels=1, model_channels=8, channel_mult=(1, 2), layers_per_block=1,
+    attention_resolutions=(4,), channels_per_head=8,
+)  # fmt: skip
+
+
+def _edm2_joins(model, sample, c_noise):
+    """Replay the skip joins of ``model``'s forward from hooked block outputs: {skip number: (x, skip, kappa)}."""
+    outputs, gates = {}, []
+    modules = [model.conv_in, *model.encoder_blocks, *model.decoder_blocks]
+    handles = [m.register_forward_hook(lambda m, a, out: outputs.__setitem__(m, out.detach())) for m in modules]
+    handles += [g.register_forward_hook(lambda m, a, out: gates.append(out.detach())) for g in model.lsc.gates]
+    with torch.no_grad():
+        model(sample, c_noise)
+    for handle in handles:
+        handle.remove()
+    skips = [outputs[model.conv_in], *(outputs[block] for block in model.encoder_blocks)]
+    x, joins = outputs[model.encoder_blocks[-1]], {}
+    for block in model.decoder_blocks:
+        if block.in_channels != x.shape[1]:  # this block takes the last skip pushed, joined by mp_cat
+            skip = skips.pop()
+            joins[len(skips) + 1] = (x, skip, gates[len(joins)])
+        x = outputs[block]
+    return joins
+
+
+def test_edm2_skip_norms_match_a_manual_mp_cat():
+    torch.manual_seed(0)
+    model = EDM2UNet2DModel(**EDM2_CONFIG, lsc_method="ls_nonshared")
+    with torch.no_grad():
+        model.out_gain.fill_(1.0)
+        for block in [*model.encoder_blocks, *model.decoder_blocks]:
+            block.emb_gain.fill_(0.5)
+    model.eval()  # a training-mode forward re-projects the stored weights in place
+    sample, c_noise = torch.randn(3, 1, 8, 8), torch.tensor([-1.0, 0.0, 0.5])
+    reference = model(sample, c_noise).sample
+    diagnostics = StabilityDiagnostics(model)
+    diagnostics.begin_step(0)
+    assert torch.equal(model(sample, c_noise).sample, reference)  # the hooks only read
+    logs = diagnostics.end_step()
+    joins = _edm2_joins(model, sample, c_noise)
+    assert sorted(joins) == [1, 2, 3, 4]
+    t = model.config.concat_balance
+    for i, (x, skip, kappa) in joins.items():  # mp_cat's formula written out, with the LS gate kappa [B, C, 1, 1]
+        na, nb = x.shape[1], skip.shape[1]
+        c = ((na + nb) / ((1 - t) ** 2 + t**2 * kappa.square().mean(dim=1, keepdim=True))).sqrt()
+        decoder = (c * (1 - t) / math.sqrt(na) * x).flatten(1).norm(dim=1).mean().item()
+        scaled = (c * t * kappa / math.sqrt(nb) * skip).flatten(1).norm(dim=1).mean().item()
+        assert math.isclose(logs[f"skip/{i}/decoder"], decoder, rel_tol=1e-5), i
+        assert math.isclose(logs[f"skip/{i}/scaled"], scaled, rel_tol=1e-5), i
+    assert {f"gate/{g}/mean" for g in range(4)} <= logs.keys()
+
+
+def test_edm2_cs_shrinks_the_skip_share_by_kappa_powers():
+    vanilla = EDM2UNet2DModel(**EDM2_CONFIG)
+    cs = EDM2UNet2DModel(**EDM2_CONFIG, lsc_method="cs", lsc_kappa=0.5)
+    cs.load_state_dict(vanilla.state_dict())
+    sample, c_noise = torch.randn(2, 1, 8, 8), torch.tensor([-1.0, 0.5])
+    logs = []
+    for model in (vanilla, cs):
+        diagnostics = StabilityDiagnostics(model)
+        diagnostics.begin_step(0)
+        with torch.no_grad():
+            model(sample, c_noise)
+        logs.append(diagnostics.end_step())
+    # the innermost skip (i = 4, kappa^3) joins the same x (block dec1's output) and skip in both models
+    width, t = EDM2_CONFIG["model_channels"] * 2, 0.5  # x and skip both have 16 channels there
+    for b_scale, model_logs in zip((1.0, 0.5**3), logs, strict=True):
+        c = math.sqrt(2 * width / ((1 - t) ** 2 + t**2 * b_scale**2))
+        decoder = model_logs["block/dec1"] * c * (1 - t) / math.sqrt(width)
+        assert math.isclose(model_logs["skip/4/decoder"], decoder, rel_tol=1e-5)
+    ratio_vanilla = logs[0]["skip/4/scaled"] / logs[0]["skip/4/decoder"]
+    assert math.isclose(logs[1]["skip/4/scaled"] / logs[1]["skip/4/decoder"], ratio_vanilla * 0.5**3, rel_tol=1e-5)
+
+
+def test_edm2_training_loop_logs_the_expected_keys():
+    torch.manual_seed(0)
+    unet = EDM2UNet2DModel(**EDM2_CONFIG, lsc_method="ls")
+    denoiser = EDMPreconditioner(unet, LearnedUncertainty(16))
+    diagnostics = make_diagnostics(unet, every_n_steps=2)  # what the training script builds
+    assert isinstance(diagnostics, StabilityDiagnostics)
+    diagnostics.noise_level_edges = torch.tensor([0.0])  # c_noise < 0: sigma < 1
+    loss_fn = EDM2Loss(P_mean=-0.4, P_std=1.0)
+    optimizer = torch.optim.Adam(denoiser.parameters(), lr=1e-3)
+    images, generator, logged = torch.randn(4, 1, 8, 8), torch.Generator().manual_seed(1), []
+    for step in range(4):
+        diagnostics.begin_step(step)
+        sigma = torch.tensor([0.2, 0.5, 2.0, 5.0])
+        output = loss_fn(denoiser, images, sigma=sigma, generator=generator)
+        diagnostics.record_loss(output.per_sample_loss, sigma.log() / 4)
+        output.loss.backward()
+        diagnostics.record_gradients()
+        diagnostics.probe_robustness(images, sigma.log() / 4)
+        optimizer.step()
+        optimizer.zero_grad()
+        logged.append(diagnostics.end_step())
+    assert [bool(logs) for logs in logged] == [True, False, True, False]
+    skips = {f"skip/{i}/{part}" for i in range(1, 5) for part in ("scaled", "decoder")}
+    blocks = {f"block/enc{k}" for k in range(3)} | {f"block/dec{k}" for k in range(7)}
+    gates = {f"gate/{g}/{stat}" for g in range(2) for stat in ("mean", "std")}  # widths 8 and 16 share a gate each
+    grads = {"grad/global", "grad/encoder_blocks.0", "grad/decoder_blocks.6", "grad/lsc", "grad/out_gain"}
+    rest = {"loss/mean", "loss/bin0", "loss/bin1", "robustness/bin0", "robustness/bin1"}
+    assert skips | blocks | gates | grads | rest <= logged[2].keys()
+    assert all(math.isfinite(value) for value in logged[2].values())
+    assert logged[2]["osc_std/skip/1/scaled"] >= 0

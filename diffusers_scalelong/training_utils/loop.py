@@ -68,7 +68,7 @@ def make_diagnostics(unet: torch.nn.Module, every_n_steps: int):
 
     try:
         return StabilityDiagnostics(unet, every_n_steps=every_n_steps)
-    except ValueError as error:  # e.g. the EDM2 UNet, whose skips are joined inside mp_cat
+    except ValueError as error:  # a model family the diagnostics do not know
         print(f"ScaleLong diagnostics are off: {error}")
         return None
 
