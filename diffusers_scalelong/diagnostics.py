@@ -19,11 +19,12 @@ from one flag test. Attach to the model you call (not a ``torch.compile`` wrappe
 
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from .atomic import atomic_path
 
 
 def _first_tensor(value):
@@ -349,16 +350,6 @@ class StabilityDiagnostics:
 
 
 def _save_figure_atomically(figure, path: str | os.PathLike) -> str:
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(suffix=".png", dir=folder)
-    os.close(handle)
-    try:
-        os.chmod(temporary, 0o644)  # mkstemp creates 0600; a plot is an ordinary readable file
+    with atomic_path(path) as temporary:
         figure.savefig(temporary, format="png", dpi=110)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    return path
+    return os.fspath(path)
