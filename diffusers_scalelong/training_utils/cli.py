@@ -95,7 +95,7 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
         type=int,
         default=50,
         help="log ScaleLong stability diagnostics (skip/block feature norms, gradient norms, LS gates) every N steps "
-        "and plot them to stability.png; 0 = off (diffusers UNets and U-ViT only)",
+        "and plot them to stability.png; 0 = off (diffusers UNets, the U-ViT and the EDM2 UNet)",
     )
 
     ckpt = parser.add_argument_group("checkpoints and samples")
