@@ -11,7 +11,7 @@ from diffusers import EDMDPMSolverMultistepScheduler, EDMEulerScheduler
 from scipy.integrate import solve_ivp
 
 from diffusers_scalelong.schedulers import EDMHeunScheduler
-from tests._e_utils import GaussianMixture, MixtureNetwork, run_scheduler
+from tests._gaussian_mixture import GaussianMixture, MixtureNetwork, run_scheduler
 
 
 def reference_edm_sampler(

@@ -22,7 +22,7 @@ from diffusers import (
 
 from diffusers_scalelong.pipelines import EDM2Pipeline, set_edm2_latent_scaling
 from diffusers_scalelong.schedulers import EDMHeunScheduler
-from tests._e_utils import tiny_unet
+from tests._gaussian_mixture import tiny_unet
 
 STEPS = 3
 

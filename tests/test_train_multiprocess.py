@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from _f_utils import ROOT, TINY_UNET, TRAIN_UNCONDITIONAL, run_script, script_env
+from _training_scripts import ROOT, TINY_UNET, TRAIN_UNCONDITIONAL, run_script, script_env
 
 STEPS = 24
 RUN = [

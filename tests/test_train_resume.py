@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from _f_utils import ROOT, TINY_UNET, TRAIN_UNCONDITIONAL, run_script, script_env, tensors_equal
+from _training_scripts import ROOT, TINY_UNET, TRAIN_UNCONDITIONAL, run_script, script_env, tensors_equal
 
 STEPS = 30
 RUN = [*TINY_UNET, "--max_train_steps", STEPS, "--checkpointing_steps", 10, "--seed", 3, "--random_flip"]

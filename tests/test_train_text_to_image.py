@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from _f_utils import ROOT, TRAIN_TEXT_TO_IMAGE, run_script, script_env, write_image_folder
+from _training_scripts import ROOT, TRAIN_TEXT_TO_IMAGE, run_script, script_env, write_image_folder
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
 

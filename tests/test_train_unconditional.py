@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from _f_utils import (
+from _training_scripts import (
     ROOT,
     TINY_UNET,
     TRAIN_UNCONDITIONAL,
