@@ -4,9 +4,8 @@ Importing the package imports its submodules, so that ``DiffusionPipeline.from_p
 finds the classes that ``model_index.json`` names by module path.
 """
 
-__version__ = "0.1.0"
-
 from . import edm2, ema, layers, models, pipelines, scalelong, schedulers  # noqa: E402
+from ._version import __version__  # noqa: F401  (the package version)
 from .edm2 import EDM2Loss, EDMPreconditioner, LearnedUncertainty, inverse_sqrt_lr_lambda  # noqa: E402
 from .ema import PowerFunctionEMA, list_snapshots, reconstruct_ema  # noqa: E402
 from .models import EDM2UNet2DModel, ScaleLongUNet2DConditionModel, ScaleLongUNet2DModel, UViT2DModel  # noqa: E402

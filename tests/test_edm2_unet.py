@@ -39,6 +39,13 @@ def rms(x: torch.Tensor) -> float:
     return x.float().pow(2).mean().sqrt().item()
 
 
+def skips_in_decoder_order(model):
+    """The skip index each skip-taking decoder block receives, in decoder order (from the long-skip protocol)."""
+    position = {id(block): j for j, block in enumerate(model.decoder_blocks)}
+    layout = model.long_skip_layout()
+    return [skip.index for skip in sorted(layout.skips, key=lambda skip: position[id(skip.consumer)])]
+
+
 def test_config_uses_diffusers_names():
     config = tiny_model(num_class_embeds=10).config
     for name in ["sample_size", "in_channels", "out_channels", "layers_per_block", "num_class_embeds", "dropout"]:
@@ -70,7 +77,7 @@ def test_config_g_structure_of_the_s_preset():
     # 4 levels: conv + 3 blocks at 64, then down + 3 blocks at 32, 16, 8 -> 16 skips; decoder 2 + 3 * (1 + 4) + 4.
     assert len(unet.encoder_blocks) == 3 + 3 * 4
     assert len(unet.decoder_blocks) == 2 + 4 + 3 * 5
-    assert sorted(i for i in unet._skip_index if i is not None) == list(range(16))
+    assert sorted(skips_in_decoder_order(unet)) == list(range(16))
     attention = [block.num_heads for block in unet.decoder_blocks]
     assert attention[0] == 768 // 64  # the innermost decoder block always attends
     assert unet.conv_in.weight.shape == (192, 5, 3, 3)  # 4 latent channels + the constant ones channel
@@ -138,7 +145,7 @@ def test_save_load_round_trip(tmp_path):
     x, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 4])
     with torch.no_grad():
         torch.testing.assert_close(loaded(x, 0.1, labels).sample, model(x, 0.1, labels).sample, atol=5e-5, rtol=0)
-    assert loaded._skip_scales == model._skip_scales
+    assert loaded.lsc.coefficients == model.lsc.coefficients
 
 
 def test_preconditioner_round_trip_keeps_the_uncertainty_head(tmp_path):
@@ -239,11 +246,11 @@ def test_torch_compile_fullgraph_matches_eager():
 
 def test_lsc_none_is_exactly_edm2_and_cs_scales_each_skip_by_its_coefficient():
     plain, none = tiny_model(), tiny_model(lsc_method="none")
-    assert plain._skip_scales == none._skip_scales == [1.0] * 4
+    assert list(plain.lsc.coefficients) == list(none.lsc.coefficients) == [1.0] * 4
     # 4 skips (conv_in, block, down, block), outermost first: kappa^0 ... kappa^3; consumed innermost first.
     scaled = tiny_model(lsc_method="cs", lsc_kappa=0.5)
-    assert scaled._skip_scales == [1.0, 0.5, 0.25, 0.125]
-    assert [i for i in scaled._skip_index if i is not None] == [3, 2, 1, 0]
+    assert list(scaled.lsc.coefficients) == [1.0, 0.5, 0.25, 0.125]
+    assert skips_in_decoder_order(scaled) == [3, 2, 1, 0]
     assert scaled.state_dict().keys() == plain.state_dict().keys()
     scaled.load_state_dict(plain.state_dict())
     randomize_gains(plain), randomize_gains(scaled)

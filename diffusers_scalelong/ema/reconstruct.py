@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from .._version import __version__
 from .profiles import sigma_rel_to_gamma, solve_profile_coefficients
 from .snapshots import SnapshotInfo, atomic_save_file, list_snapshots, snapshot_filename, storage_dtype
 
@@ -275,8 +276,6 @@ def save_reconstructed_models(
 def _provenance(
     plan: ReconstructionPlan, sigma_rel: float, gamma: float, column: np.ndarray, error: float, dtype: torch.dtype
 ) -> dict[str, Any]:
-    from .. import __version__
-
     return {
         "sigma_rel": sigma_rel,
         "gamma": gamma,

@@ -40,6 +40,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .._version import __version__
 from ..atomic import atomic_path
 
 SNAPSHOT_FORMAT = "diffusers_scalelong.phema-snapshot"
@@ -110,8 +111,6 @@ def write_snapshot(
     dtype: torch.dtype | str | None = None,
 ) -> str:
     """Atomically write one snapshot; averaged float tensors are stored in ``dtype``, copied ones unchanged."""
-    from .. import __version__
-
     dtype = storage_dtype(dtype)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

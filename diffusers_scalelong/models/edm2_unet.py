@@ -8,7 +8,6 @@ wrap it in :class:`diffusers_scalelong.edm2.EDMPreconditioner`.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
@@ -16,53 +15,12 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.unets.unet_2d import UNet2DOutput
 from torch import nn
 
+from ..edm2.presets import EDM2_PRESETS, EDM2Preset, get_edm2_preset
 from ..layers.mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
-from ..scalelong.coefficients import LEARNABLE_METHODS, validate_lsc_options
-from ..scalelong.hooks import LongSkipScaling
+from ..scalelong.scaling import LongSkipScaling
+from ..scalelong.skips import LongSkip, LongSkipLayout
 
 __all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel"]
-
-
-@dataclass(frozen=True)
-class EDM2Preset:
-    """One of the paper's configurations: network width and dropout plus its training recipe."""
-
-    model_channels: int
-    dropout: float
-    ref_lr: float
-    t_ref: int
-    P_mean: float
-    P_std: float
-    sample_size: int = 64
-    in_channels: int = 4
-    num_class_embeds: int = 1000
-    batch_size: int = 2048
-    warmup_images: int = 10_000_000
-
-
-def _img512(channels: int, dropout: float, ref_lr: float) -> EDM2Preset:
-    """ImageNet-512 presets work on SD-VAE latents: 64x64x4, 1000 classes."""
-    return EDM2Preset(channels, dropout, ref_lr, t_ref=70_000, P_mean=-0.4, P_std=1.0)
-
-
-def _img64(channels: int, dropout: float, ref_lr: float) -> EDM2Preset:
-    """ImageNet-64 presets work on pixels: 64x64x3, 1000 classes (the paper trains S, M, L and XL)."""
-    return EDM2Preset(channels, dropout, ref_lr, t_ref=35_000, P_mean=-0.8, P_std=1.6, in_channels=3)
-
-
-_SIZES = {  # size: (model_channels, dropout, ref_lr)
-    "XS": (128, 0.0, 0.0120),
-    "S": (192, 0.0, 0.0100),
-    "M": (256, 0.1, 0.0090),
-    "L": (320, 0.1, 0.0080),
-    "XL": (384, 0.1, 0.0070),
-    "XXL": (448, 0.1, 0.0065),
-}
-EDM2_PRESETS: dict[str, dict[str, EDM2Preset]] = {
-    "img512": {size: _img512(*values) for size, values in _SIZES.items()},
-    "img64": {size: _img64(*values) for size, values in _SIZES.items()},
-}
-"""``EDM2_PRESETS[dataset][size]``; img64 XS and XXL use the same widths but were not trained in the paper."""
 
 
 class EDM2UNet2DModel(ModelMixin, ConfigMixin):
@@ -131,7 +89,6 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
         ]:
             if not 0 <= value <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {value}")
-        validate_lsc_options(lsc_method, lsc_kappa)
 
         out_channels = in_channels if out_channels is None else out_channels
         widths = [model_channels * m for m in channel_mult]
@@ -169,9 +126,7 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
                 skip_levels.append(level)
 
         # ScaleLong coefficients and LS gates, outermost skip (the first pushed, the last consumed) first.
-        lsc = LongSkipScaling(lsc_method, lsc_kappa, skip_widths, skip_levels, "channel", lsc_reduction)
-        self._skip_scales = list(lsc.coefficients)
-        self.lsc = lsc if lsc_method in LEARNABLE_METHODS else None  # parameters only for LS
+        self.lsc = LongSkipScaling(lsc_method, lsc_kappa, skip_widths, skip_levels, "channel", lsc_reduction)
 
         # Decoder: the innermost level starts with two blocks (attention in the first), the others with an up block;
         # each of the layers_per_block + 1 blocks that follow takes one skip through mp_cat.
@@ -219,12 +174,20 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
     @staticmethod
     def get_preset(size: str, dataset: str = "img512") -> EDM2Preset:
         """The :class:`EDM2Preset` (architecture and training recipe) of ``size`` for ``dataset``."""
-        if dataset not in EDM2_PRESETS:
-            raise ValueError(f"unknown EDM2 preset dataset {dataset!r}; choose one of {', '.join(EDM2_PRESETS)}")
-        presets = EDM2_PRESETS[dataset]
-        if not isinstance(size, str) or size.upper() not in presets:
-            raise ValueError(f"unknown EDM2 preset size {size!r}; choose one of {', '.join(presets)}")
-        return presets[size.upper()]
+        return get_edm2_preset(size, dataset)
+
+    def long_skip_layout(self) -> LongSkipLayout:
+        """The long-skip protocol: decoder block ``j`` taking skip ``i`` receives ``mp_cat(x, kappa_i skip)``."""
+        skips = [
+            LongSkip(index, self.lsc.widths[index], self.lsc.stage_ids[index], block)
+            for block, index in zip(self.decoder_blocks, self._skip_index, strict=True)
+            if index is not None
+        ]
+        blocks = [
+            *((f"enc{k}", block) for k, block in enumerate(self.encoder_blocks)),
+            *((f"dec{k}", block) for k, block in enumerate(self.decoder_blocks)),
+        ]
+        return LongSkipLayout(tuple(sorted(skips, key=lambda skip: skip.index)), tuple(blocks))
 
     def _noise_labels(self, timestep: torch.Tensor | float, batch_size: int, device: torch.device) -> torch.Tensor:
         """``c_noise`` as a float32 vector of length ``batch_size`` (a scalar is broadcast)."""
@@ -280,10 +243,7 @@ class EDM2UNet2DModel(ModelMixin, ConfigMixin):
 
     def _join_skip(self, x: torch.Tensor, skip: torch.Tensor, index: int) -> torch.Tensor:
         """``mp_cat(x, skip, t=concat_balance, b_scale=kappa_index)``; kappa is the LS gate of the skip for LS."""
-        scale = self._skip_scales[index]
-        if self.lsc is not None:
-            scale = self.lsc.gates[self.lsc.gate_index[index]](skip)
-        return mp_cat(x, skip, t=self.config.concat_balance, b_scale=scale)
+        return mp_cat(x, skip, t=self.config.concat_balance, b_scale=self.lsc.factor(index, skip))
 
     def _run_block(self, block: Block, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.gradient_checkpointing:

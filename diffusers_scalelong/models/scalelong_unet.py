@@ -2,7 +2,7 @@
 
 ``ScaleLongUNet2DModel`` and ``ScaleLongUNet2DConditionModel`` accept every parameter of their parent (listed
 explicitly: diffusers rebuilds a model from the parameters named in ``__init__``'s signature) plus ``lsc_method``
-and ``lsc_kappa``. Their weights are those of the parent plus, for the LS methods only, ``lsc.gates.*``; so a vanilla
+``lsc_kappa`` and ``lsc_reduction``. Their weights are those of the parent plus, for the LS methods only, ``lsc.gates.*``; so a vanilla
 folder loads into them (choose the method by keyword) and a CS folder loads back into the vanilla class.
 """
 
@@ -10,13 +10,21 @@ from diffusers import UNet2DConditionModel, UNet2DModel
 from diffusers.configuration_utils import register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 
-from ..scalelong.hooks import install_conv_lsc
+from ..scalelong.conv_hooks import install_conv_lsc
 from ..scalelong.loading import LongSkipScalingLoaderMixin
+from ..scalelong.skips import LongSkipLayout, conv_long_skip_layout
 
 __all__ = ["ModelMixin", "ScaleLongUNet2DConditionModel", "ScaleLongUNet2DModel"]
 
 
-class ScaleLongUNet2DModel(LongSkipScalingLoaderMixin, UNet2DModel):
+class ConvLongSkipsMixin:
+    """The long-skip protocol of a diffusers conv UNet: its layout derived from its modules."""
+
+    def long_skip_layout(self) -> LongSkipLayout:
+        return conv_long_skip_layout(self)
+
+
+class ScaleLongUNet2DModel(ConvLongSkipsMixin, LongSkipScalingLoaderMixin, UNet2DModel):
     """``UNet2DModel`` whose long skips are scaled by ``lsc_method`` (see ``diffusers_scalelong.scalelong``)."""
 
     @register_to_config
@@ -52,6 +60,7 @@ class ScaleLongUNet2DModel(LongSkipScalingLoaderMixin, UNet2DModel):
         num_train_timesteps: int | None = None,
         lsc_method: str = "none",
         lsc_kappa: float = 0.5,
+        lsc_reduction: int = 16,
     ):
         super().__init__(
             sample_size=sample_size,
@@ -83,10 +92,10 @@ class ScaleLongUNet2DModel(LongSkipScalingLoaderMixin, UNet2DModel):
             num_class_embeds=num_class_embeds,
             num_train_timesteps=num_train_timesteps,
         )
-        install_conv_lsc(self, lsc_method, lsc_kappa)
+        install_conv_lsc(self, lsc_method, lsc_kappa, lsc_reduction)
 
 
-class ScaleLongUNet2DConditionModel(LongSkipScalingLoaderMixin, UNet2DConditionModel):
+class ScaleLongUNet2DConditionModel(ConvLongSkipsMixin, LongSkipScalingLoaderMixin, UNet2DConditionModel):
     """``UNet2DConditionModel`` whose long skips are scaled by ``lsc_method``; ControlNet residuals are added to the
     skips before they are scaled (the UNet adds them to ``down_block_res_samples``)."""
 
@@ -153,6 +162,7 @@ class ScaleLongUNet2DConditionModel(LongSkipScalingLoaderMixin, UNet2DConditionM
         addition_embed_type_num_heads: int = 64,
         lsc_method: str = "none",
         lsc_kappa: float = 0.5,
+        lsc_reduction: int = 16,
     ):
         super().__init__(
             sample_size=sample_size,
@@ -204,4 +214,4 @@ class ScaleLongUNet2DConditionModel(LongSkipScalingLoaderMixin, UNet2DConditionM
             cross_attention_norm=cross_attention_norm,
             addition_embed_type_num_heads=addition_embed_type_num_heads,
         )
-        install_conv_lsc(self, lsc_method, lsc_kappa)
+        install_conv_lsc(self, lsc_method, lsc_kappa, lsc_reduction)

@@ -20,9 +20,9 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.unets.unet_2d import UNet2DOutput
 from torch import nn
 
-from ..scalelong.coefficients import validate_lsc_options
-from ..scalelong.hooks import LongSkipScaling
 from ..scalelong.loading import LongSkipScalingLoaderMixin
+from ..scalelong.scaling import LongSkipScaling
+from ..scalelong.skips import LongSkip, LongSkipLayout
 
 __all__ = ["ModelMixin", "UViT2DModel", "UViTBlock"]
 
@@ -98,7 +98,6 @@ class UViT2DModel(LongSkipScalingLoaderMixin, ModelMixin, ConfigMixin):
         lsc_reduction: int = 16,
     ):
         super().__init__()
-        validate_lsc_options(lsc_method, lsc_kappa)
         if depth < 2 or depth % 2:
             raise ValueError(f"depth must be an even number >= 2 (in/out block pairs), got {depth}")
         if sample_size % patch_size:
@@ -133,6 +132,20 @@ class UViT2DModel(LongSkipScalingLoaderMixin, ModelMixin, ConfigMixin):
         self.lsc = LongSkipScaling(
             lsc_method, lsc_kappa, [self.num_tokens] * num_skips, [0] * num_skips, "token", lsc_reduction
         )
+
+    def long_skip_layout(self) -> LongSkipLayout:
+        """The long-skip protocol: out block ``n`` is called as ``(x, kappa_i skip)`` with ``i = N - n``."""
+        num_skips = len(self.out_blocks)
+        skips = [
+            LongSkip(num_skips - 1 - n, self.num_tokens, 0, block, joined=False)
+            for n, block in enumerate(self.out_blocks)
+        ]
+        blocks = [
+            *((f"in{k}", block) for k, block in enumerate(self.in_blocks)),
+            ("mid", self.mid_block),
+            *((f"out{k}", block) for k, block in enumerate(self.out_blocks)),
+        ]
+        return LongSkipLayout(tuple(reversed(skips)), tuple(blocks))
 
     def _init_weights(self) -> None:
         """Truncated normal (std 0.02) for ``pos_embed`` and linear weights, zero biases, unit LayerNorms."""

@@ -10,12 +10,20 @@ LSC_METHODS = ("none", "inv_sqrt2", "cs", "cs_stage", "ls", "ls_nonshared")
 LEARNABLE_METHODS = ("ls", "ls_nonshared")
 
 
-def validate_lsc_options(method: str, kappa: float) -> None:
-    """Raise ``ValueError`` naming the option when ``method`` or ``kappa`` is invalid."""
+def check_reduction(reduction: int) -> None:
+    """Raise ``ValueError`` unless the LS gate reduction ``lsc_reduction`` is an integer >= 1."""
+    if isinstance(reduction, bool) or not isinstance(reduction, int) or reduction < 1:
+        raise ValueError(f"lsc_reduction must be an integer >= 1, got {reduction!r}")
+
+
+def validate_lsc_options(method: str, kappa: float, reduction: int = 16) -> None:
+    """The one check of the ScaleLong options: raise ``ValueError`` naming ``lsc_method``, ``lsc_kappa`` or
+    ``lsc_reduction`` when one is invalid."""
     if method not in LSC_METHODS:
         raise ValueError(f"lsc_method={method!r} is unknown; choose one of {', '.join(LSC_METHODS)}")
     if not (isinstance(kappa, int | float) and kappa > 0):
         raise ValueError(f"lsc_kappa must be a positive number, got {kappa!r}")
+    check_reduction(reduction)
 
 
 def lsc_coefficients(

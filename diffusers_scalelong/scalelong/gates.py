@@ -9,10 +9,11 @@ module after the network's own weight initialisation).
 import torch
 from torch import nn
 
+from .coefficients import check_reduction
+
 
 def _hidden_width(width: int, reduction: int) -> int:
-    if reduction < 1:
-        raise ValueError(f"lsc_reduction must be >= 1, got {reduction}")
+    check_reduction(reduction)
     return max(width // reduction, 1)
 
 
