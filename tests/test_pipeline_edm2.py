@@ -56,14 +56,17 @@ def test_call_signature_has_diffusers_names():
         "latents",
     ):
         assert name in params
-    assert params["num_inference_steps"].default == 32 and params["guidance_scale"].default == 1.0
+    # guidance_scale=None means the pipeline's default_guidance_scale (1.0 unless set)
+    assert params["num_inference_steps"].default == 32 and params["guidance_scale"].default is None
     assert set(inspect.signature(EDM2Pipeline.__init__).parameters) == {
         "self",
         "unet",
         "scheduler",
         "vae",
         "guide_unet",
+        "default_guidance_scale",
     }
+    assert inspect.signature(EDM2Pipeline.__init__).parameters["default_guidance_scale"].default == 1.0
 
 
 @pytest.mark.parametrize(

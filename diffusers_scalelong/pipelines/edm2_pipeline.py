@@ -72,6 +72,8 @@ class EDM2Pipeline(DiffusionPipeline):
         guide_unet: optional guiding network for ``D_g + w (D - D_g)``: an unconditional network
             (``num_class_embeds`` unset: classifier-free guidance) or a smaller / less-trained version of `unet`
             (autoguidance).
+        default_guidance_scale: the guidance weight w used when a call gives none (saved in ``model_index.json``,
+            e.g. the weight a released model pair was tuned with); values other than 1 need `guide_unet`.
     """
 
     model_cpu_offload_seq = "guide_unet->unet->vae"
@@ -84,10 +86,14 @@ class EDM2Pipeline(DiffusionPipeline):
         scheduler: EDMHeunScheduler | EDMEulerScheduler | EDMDPMSolverMultistepScheduler,
         vae: AutoencoderKL | None = None,
         guide_unet: ModelMixin | None = None,
+        default_guidance_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self._check_components(unet, scheduler, vae, guide_unet)
+        if default_guidance_scale != 1.0 and guide_unet is None:
+            raise ValueError(f"default_guidance_scale={default_guidance_scale} needs a guide_unet")
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae, guide_unet=guide_unet)
+        self.register_to_config(default_guidance_scale=float(default_guidance_scale))
         vae_scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.image_processor = VaeImageProcessor(vae_scale_factor=vae_scale, do_normalize=True)
 
@@ -238,7 +244,7 @@ class EDM2Pipeline(DiffusionPipeline):
         batch_size: int | None = None,
         class_labels: int | Sequence[int] | torch.Tensor | None = None,
         num_inference_steps: int = 32,
-        guidance_scale: float = 1.0,
+        guidance_scale: float | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
         output_type: str = "pil",
@@ -252,7 +258,8 @@ class EDM2Pipeline(DiffusionPipeline):
             batch_size: number of images (default: one per class label, or 1).
             class_labels: class of each image (an int applies to all); required iff the unet is class-conditional.
             num_inference_steps: sampler steps N (`EDMHeunScheduler`: 2N - 1 network evaluations; 32 is EDM2's).
-            guidance_scale: w in ``D_g + w (D - D_g)``; values other than 1 need `guide_unet`.
+            guidance_scale: w in ``D_g + w (D - D_g)``; values other than 1 need `guide_unet`. Default: the
+                pipeline's ``default_guidance_scale`` (1 unless set).
             generator: random generator(s) for the initial noise and any scheduler noise (a list: one per image).
             latents: initial noise (unscaled, standard normal) instead of drawing it.
             output_type: ``"pil"``, ``"np"`` (float in [0, 1], NHWC), ``"pt"`` (float in [0, 1], NCHW) or ``"latent"``.
@@ -264,6 +271,8 @@ class EDM2Pipeline(DiffusionPipeline):
         tensor_inputs = (
             ["latents"] if callback_on_step_end_tensor_inputs is None else callback_on_step_end_tensor_inputs
         )
+        if guidance_scale is None:
+            guidance_scale = self.config.get("default_guidance_scale", 1.0)
         self._check_call(batch_size, num_inference_steps, guidance_scale, output_type, tensor_inputs)
         device = self._execution_device
         labels, batch_size = self._prepare_class_labels(class_labels, batch_size, device)

@@ -84,8 +84,10 @@ def model_card(
     sampler_settings: dict[str, Any] | None = None,
     dataset: str | None = None,
     extra_text: str = "",
+    license: str | None = None,
 ) -> ModelCard:
-    """A model card: tags, how to load, sampler settings and, when given, the EMA length ``sigma_rel``."""
+    """A model card: tags, how to load, sampler settings, when given the EMA length ``sigma_rel``, extra text (e.g.
+    where converted weights come from) and the weights' license identifier (e.g. ``cc-by-nc-sa-4.0``)."""
     unet = pipeline.unet
     conditional = getattr(unet.config, "num_class_embeds", None) is not None
     tags = ["diffusers", "diffusers-scalelong", type(pipeline).__name__, type(unet).__name__]
@@ -99,6 +101,7 @@ def model_card(
         pipeline_tag="unconditional-image-generation",
         tags=tags,
         datasets=[dataset] if dataset else None,
+        license=license,
     )
     scheduler = pipeline.scheduler
     settings = {"scheduler": type(scheduler).__name__, **(sampler_settings or {})}
@@ -160,8 +163,13 @@ def push_pipeline_to_hub(
     dataset: str | None = None,
     safe_serialization: bool = True,
     variant: str | None = None,
+    extra_text: str = "",
+    license: str | None = None,
 ) -> str:
-    """``save_pretrained`` -> `write_hub_layout` -> model card -> ``upload_folder``; returns the commit URL."""
+    """``save_pretrained`` -> `write_hub_layout` -> model card -> ``upload_folder``; returns the commit URL.
+
+    ``extra_text`` and ``license`` go to the model card (see `model_card`).
+    """
     if not safe_serialization:
         raise ValueError("push_pipeline_to_hub writes safetensors weights only (safe_serialization=True)")
     api = HfApi(endpoint=endpoint, token=token)
@@ -169,7 +177,7 @@ def push_pipeline_to_hub(
     with tempfile.TemporaryDirectory() as tmp:
         pipeline.save_pretrained(tmp, safe_serialization=True, variant=variant)
         write_hub_layout(tmp)
-        card = model_card(pipeline, repo_id, ema_sigma_rel, sampler_settings, dataset)
+        card = model_card(pipeline, repo_id, ema_sigma_rel, sampler_settings, dataset, extra_text, license)
         atomic_write_text(Path(tmp) / "README.md", str(card))
         commit = api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message)
     return str(commit)

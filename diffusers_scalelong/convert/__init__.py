@@ -1,0 +1,20 @@
+"""Bring released checkpoints in: NVIDIA's EDM2 pickles and post-hoc EMA snapshots, U-ViT / ScaleLong state dicts.
+
+- :mod:`.safe_pickle`: reads official network pickles as plain data, executing nothing from the file;
+- :mod:`.edm2_state_dict`: official EDM2 tensor names -> ``EDM2UNet2DModel`` + ``LearnedUncertainty``;
+- :mod:`.edm2_official`: an official network pickle -> an ``EDM2Pipeline`` folder (and the preconditioner);
+- :mod:`.edm2_snapshots`: official raw post-hoc EMA snapshots -> ``phema-*.safetensors`` snapshot files;
+- :mod:`.uvit_official`: an official U-ViT / ScaleLong state dict -> ``UViT2DModel``;
+- :mod:`.cli`: the ``scalelong-convert-edm2`` and ``scalelong-convert-uvit`` commands.
+"""
+
+from .edm2_state_dict import convert_edm2_state_dict, preconditioner_from_edm2_state_dict
+from .safe_pickle import RestrictedUnpickler, UnsafePickleError, load_restricted_pickle
+
+__all__ = [
+    "RestrictedUnpickler",
+    "UnsafePickleError",
+    "convert_edm2_state_dict",
+    "load_restricted_pickle",
+    "preconditioner_from_edm2_state_dict",
+]

@@ -1,0 +1,87 @@
+"""Console scripts ``scalelong-convert-edm2`` and ``scalelong-convert-uvit``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from .edm2_official import convert_edm2_pickle, push_converted_edm2
+from .uvit_official import OFFICIAL_LSC_METHODS, convert_uvit_checkpoint
+
+
+def _check_output(path: str, overwrite: bool) -> None:
+    folder = Path(path)
+    if folder.exists() and any(folder.iterdir()) and not overwrite:
+        raise SystemExit(f"--output_dir {folder} exists and is not empty; pass --overwrite to write into it")
+
+
+def edm2_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scalelong-convert-edm2",
+        description="Convert an official EDM2 network pickle (read safely: no code from it runs) into an "
+        "EDM2Pipeline folder that also loads as an EDMPreconditioner for fine-tuning. The released models are "
+        "licensed CC BY-NC-SA 4.0 by NVIDIA; the converted folder stays under that license.",
+    )
+    parser.add_argument("network", help="official network pickle, e.g. edm2-img512-xs-2147483-0.135.pkl")
+    parser.add_argument("--output_dir", required=True, help="folder to write the pipeline into")
+    parser.add_argument(
+        "--vae",
+        default=None,
+        help="latent (img512) models: local folder or Hub id of the VAE the pickle names (stabilityai/sd-vae-ft-mse)",
+    )
+    parser.add_argument("--guide", default=None, help="guiding network pickle (unconditional or smaller network)")
+    parser.add_argument("--guidance", type=float, default=None, help="default guidance weight w (needs --guide)")
+    parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="also push to this Hub repository")
+    parser.add_argument("--hub_endpoint", default=None, help="Hub URL (default: HF_ENDPOINT or the public Hub)")
+    parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output_dir")
+    return parser
+
+
+def edm2_main(argv: Sequence[str] | None = None) -> int:
+    args = edm2_parser().parse_args(argv)
+    _check_output(args.output_dir, args.overwrite)
+    try:
+        pipeline = convert_edm2_pickle(args.network, args.output_dir, args.vae, args.guide, args.guidance)
+    except ValueError as error:
+        raise SystemExit(f"scalelong-convert-edm2: {error}") from None
+    print(f"wrote {args.output_dir}")
+    if args.push_to_hub:
+        url = push_converted_edm2(
+            args.output_dir, args.push_to_hub, pipeline, endpoint=args.hub_endpoint, private=args.private or None
+        )
+        print(f"pushed to {url}")
+    return 0
+
+
+def uvit_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scalelong-convert-uvit",
+        description="Convert an official U-ViT / ScaleLong checkpoint (a torch state dict such as nnet_ema.pth, "
+        "read with weights_only=True) into a UViT2DModel folder with a DDPMScheduler matching the official "
+        "VP-SDE timestep convention (timestep = 999 t).",
+    )
+    parser.add_argument("checkpoint", help="official state dict file, e.g. nnet_ema.pth")
+    parser.add_argument("--output_dir", required=True, help="folder to write the model into")
+    parser.add_argument("--num_heads", type=int, required=True, help="attention heads (the state dict lacks them)")
+    parser.add_argument(
+        "--lsc",
+        default=None,
+        help=f"ScaleLong method: {', '.join(OFFICIAL_LSC_METHODS)}, or the official scalelong index 0-4 "
+        "(default: the LS variant the se.* keys show, else none)",
+    )
+    parser.add_argument("--kappa", type=float, default=0.5, help="ScaleLong kappa (used by cs; default 0.5)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output_dir")
+    return parser
+
+
+def uvit_main(argv: Sequence[str] | None = None) -> int:
+    args = uvit_parser().parse_args(argv)
+    _check_output(args.output_dir, args.overwrite)
+    try:
+        convert_uvit_checkpoint(args.checkpoint, args.output_dir, args.num_heads, args.lsc, args.kappa)
+    except ValueError as error:
+        raise SystemExit(f"scalelong-convert-uvit: {error}") from None
+    print(f"wrote {args.output_dir}")
+    return 0
