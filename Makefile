@@ -10,12 +10,16 @@ OUTPUT_DIR ?= outputs/demo
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test]"
-	touch $@
+# pip runs with -qq: it prints only errors (the build backend's notices about editable installs are not the user's
+# business); a failing step still stops make with pip's error message.
+$(VENV)/.installed: pyproject.toml setup.py
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "setting up $(VENV) (first time: about 2 minutes)"
+	@$(BIN)/python -m pip install -qq --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -qq torch==2.13.0
+	@$(BIN)/python -m pip install -qq -e ".[test]"
+	@touch $@
+	@echo "set-up done"
 
 demo: setup
 	$(BIN)/python examples/demo.py --output_dir $(OUTPUT_DIR)

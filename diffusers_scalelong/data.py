@@ -128,19 +128,24 @@ def _find_idx_file(folder: Path, stem: str) -> Path:
     raise FileNotFoundError(f"Fashion-MNIST file not found: {folder / stem}.gz (nor {folder / stem})")
 
 
-def _fashion_mnist_dir(data_dir: str | os.PathLike | None, split: str) -> Path:
-    """Resolve the folder holding the IDX files of ``split``: ``data_dir``, else ``$FASHION_MNIST_DIR``, else defaults."""
+def _fashion_mnist_folder(data_dir: str | os.PathLike | None, split: str) -> str | None:
+    """The folder holding the IDX files of ``split``: ``data_dir``, else ``$FASHION_MNIST_DIR``, else the default
+    locations; ``None`` (the copy embedded in this package) for the test split when none of them has it."""
     if data_dir is not None:
-        return Path(data_dir)
+        return str(Path(data_dir).resolve())
     candidates = [os.environ[FASHION_MNIST_DIR_ENV]] if os.environ.get(FASHION_MNIST_DIR_ENV) else []
     candidates += FASHION_MNIST_SEARCH_PATHS
     stem = f"{_SPLIT_PREFIX[split]}-images-idx3-ubyte"
     for folder in map(Path, candidates):
         if (folder / f"{stem}.gz").is_file() or (folder / stem).is_file():
-            return folder
+            return str(folder.resolve())
+    if split == "test":
+        return None
     raise FileNotFoundError(
-        f"No Fashion-MNIST {split!r} split found: looked for {stem}[.gz] in {', '.join(candidates)}. Pass data_dir, "
-        f"set ${FASHION_MNIST_DIR_ENV}, or install the Debian/Ubuntu package dataset-fashion-mnist."
+        f"No Fashion-MNIST {split!r} split found: looked for {stem}[.gz] in {', '.join(candidates)}. Get it in one of "
+        "two ways: install the Debian/Ubuntu package dataset-fashion-mnist (apt-get install dataset-fashion-mnist), "
+        "or download the four IDX files of Fashion-MNIST into a folder and pass it as data_dir (or set "
+        f"${FASHION_MNIST_DIR_ENV}). Only the test split is embedded in this package."
     )
 
 
@@ -171,14 +176,15 @@ def load_fashion_mnist_arrays(
     """Fashion-MNIST as read-only uint8 arrays ``images [N, 28, 28]`` and ``labels [N]`` (cached per process).
 
     ``embedded=True`` reads the test split shipped with this package; otherwise the IDX files of ``split`` are read
-    from ``data_dir`` (or the default locations, see :func:`load_fashion_mnist`).
+    from ``data_dir`` (or the default locations, see :func:`load_fashion_mnist`; the test split falls back to the
+    embedded copy when no IDX files are found).
     """
     _check_split(split)
     if embedded:
         if split != "test":
             raise ValueError(f"only the test split is embedded in the package, got split={split!r}")
         return _load_arrays_cached(None, "test")
-    return _load_arrays_cached(str(_fashion_mnist_dir(data_dir, split).resolve()), split)
+    return _load_arrays_cached(_fashion_mnist_folder(data_dir, split), split)
 
 
 def _arrays_to_dataset(images: np.ndarray, labels: np.ndarray) -> datasets.Dataset:
@@ -226,12 +232,13 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None = None, split: str = "
     """Fashion-MNIST ``split`` (``"train"``: 60,000 or ``"test"``: 10,000 images) from its standard IDX files.
 
     ``data_dir`` holds ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``. Without it, ``$FASHION_MNIST_DIR`` and
-    then :data:`FASHION_MNIST_SEARCH_PATHS` are searched. Missing files raise ``FileNotFoundError``; corrupt,
-    truncated or wrong-format files raise ``ValueError``; both name the file.
+    then :data:`FASHION_MNIST_SEARCH_PATHS` are searched; where none has them, the test split comes from the copy
+    embedded in this package and the train split raises ``FileNotFoundError`` naming the two ways to get it.
+    Missing files raise ``FileNotFoundError``; corrupt, truncated or wrong-format files raise ``ValueError``; both
+    name the file.
     """
     _check_split(split)
-    folder = _fashion_mnist_dir(data_dir, split).resolve()
-    return _fresh_view(str(folder), split)
+    return _fresh_view(_fashion_mnist_folder(data_dir, split), split)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

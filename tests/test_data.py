@@ -119,6 +119,21 @@ def test_installed_full_fashion_mnist():
     assert data.load_image_dataset("fashion-mnist", split="train").data.table is train.data.table
 
 
+def test_defaults_work_without_any_installed_files(tmp_path, monkeypatch):
+    """No data_dir, no $FASHION_MNIST_DIR, no Debian package: the test split comes from the package itself."""
+    monkeypatch.delenv("FASHION_MNIST_DIR", raising=False)
+    monkeypatch.setattr(data, "FASHION_MNIST_SEARCH_PATHS", (str(tmp_path),))
+    images, labels = data.load_fashion_mnist_arrays()
+    embedded_images, embedded_labels = data.load_fashion_mnist_arrays(embedded=True)
+    assert images.shape == (10_000, 28, 28)
+    np.testing.assert_array_equal(images, embedded_images)
+    np.testing.assert_array_equal(labels, embedded_labels)
+    assert data.load_fashion_mnist(split="test")["label"] == embedded_labels.tolist()
+    for load in (data.load_fashion_mnist, lambda: data.load_fashion_mnist_arrays(split="train")):
+        with pytest.raises(FileNotFoundError, match=r"(?s)dataset-fashion-mnist.*data_dir"):
+            load()
+
+
 def test_missing_file_names_the_file(tmp_path):
     write_idx(tmp_path / "train-images-idx3-ubyte.gz", np.zeros((2, 28, 28), np.uint8))
     with pytest.raises(FileNotFoundError, match="train-labels-idx1-ubyte"):
