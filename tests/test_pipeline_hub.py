@@ -18,6 +18,7 @@ from huggingface_hub import hf_hub_download
 from diffusers_scalelong.models import ScaleLongUNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline, push_pipeline_to_hub, write_hub_layout
 from diffusers_scalelong.schedulers import EDMHeunScheduler
+from tests._exact import REALIGN_SOURCE, one_thread
 
 SHIMS = Path(__file__).resolve().parents[1] / "pipelines"
 STEPS = 2
@@ -45,6 +46,11 @@ def edm2_pipe():
 
 
 def reference_images(pipe, path):
+    with one_thread():  # as the loader subprocess runs (OMP_NUM_THREADS=1), so its images can match exactly
+        _reference_images(pipe, path)
+
+
+def _reference_images(pipe, path):
     if isinstance(pipe, EDM2Pipeline):
         images = pipe(
             class_labels=[0, 2], num_inference_steps=STEPS, generator=torch.Generator().manual_seed(1), output_type="np"
@@ -77,7 +83,7 @@ def run_loader(script: str, env: dict, tmp_path: Path) -> list[dict]:
 
         def report(name, fn, ref=None):
             try:
-                pipe = fn()
+                pipe = realign(fn())  # bit-identical weights in aligned storage, see tests/_exact.py
                 out = {"name": name, "pipeline": type(pipe).__name__, "unet": type(pipe.unet).__name__,
                        "scheduler": type(pipe.scheduler).__name__}
                 if ref is not None:
@@ -88,7 +94,7 @@ def run_loader(script: str, env: dict, tmp_path: Path) -> list[dict]:
     """
     ).replace("STEPS", str(STEPS))
     result = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(script)],
+        [sys.executable, "-c", REALIGN_SOURCE + prelude + textwrap.dedent(script)],
         capture_output=True,
         text=True,
         env=env,
@@ -148,7 +154,7 @@ def test_local_layout_and_custom_pipeline_file_load_in_fresh_process(tmp_path):
     )
     for result in results:
         assert result.get("pipeline") == "EDM2Pipeline" and result["unet"] == "ScaleLongUNet2DModel", result
-        assert result["scheduler"] == "EDMHeunScheduler" and result["max_diff"] < 1e-6, result
+        assert result["scheduler"] == "EDMHeunScheduler" and result["max_diff"] == 0, result
 
 
 def test_push_to_local_hub_and_load_by_repo_id(local_hub, tmp_path):
@@ -194,9 +200,9 @@ def test_push_to_local_hub_and_load_by_repo_id(local_hub, tmp_path):
     by_name = {r["name"]: r for r in results}
     trusted, ddpm_loaded = by_name["trusted"], by_name["ddpm"]
     assert trusted.get("pipeline") == "EDM2Pipeline" and trusted["unet"] == "ScaleLongUNet2DModel", trusted
-    assert trusted["scheduler"] == "EDMHeunScheduler" and trusted["max_diff"] < 1e-6
+    assert trusted["scheduler"] == "EDMHeunScheduler" and trusted["max_diff"] == 0
     assert ddpm_loaded.get("pipeline") == "DDPMPipeline" and ddpm_loaded["unet"] == "ScaleLongUNet2DModel", ddpm_loaded
-    assert ddpm_loaded["max_diff"] < 1e-6
+    assert ddpm_loaded["max_diff"] == 0
     for name in ("untrusted", "edm2_untrusted"):
         assert by_name[name].get("error") == "ValueError" and "trust_remote_code=True" in by_name[name]["message"]
     assert (

@@ -3,6 +3,7 @@
 import copy
 import inspect
 
+import numpy as np
 import pytest
 import torch
 from diffusers import DDIMPipeline, DDIMScheduler, DDPMPipeline, DDPMScheduler, UNet2DConditionModel, UNet2DModel
@@ -10,6 +11,7 @@ from torch import nn
 
 from diffusers_scalelong.models import ScaleLongUNet2DConditionModel, ScaleLongUNet2DModel
 from diffusers_scalelong.scalelong import ChannelGate, apply_lsc, lsc_coefficients, remove_lsc
+from tests._exact import realign
 
 UNET_CONFIG = dict(
     sample_size=8,
@@ -185,7 +187,7 @@ def test_ls_round_trip_keeps_gates(tmp_path):
     reloaded = ScaleLongUNet2DModel.from_pretrained(tmp_path)
     sample, timestep = _inputs()
     with torch.no_grad():
-        assert torch.allclose(reloaded(sample, timestep).sample, model(sample, timestep).sample, atol=5e-5)
+        assert torch.equal(realign(reloaded)(sample, timestep).sample, model(sample, timestep).sample)
 
 
 def test_ls_channel_gate_is_squeeze_excitation():
@@ -294,8 +296,8 @@ def test_runs_in_unconditional_pipelines(tmp_path, pipeline_cls, scheduler_cls):
     pipeline.save_pretrained(tmp_path)
     reloaded = pipeline_cls.from_pretrained(tmp_path)
     assert type(reloaded.unet) is ScaleLongUNet2DModel and reloaded.unet.config.lsc_kappa == 0.7
-    again = reloaded(generator=torch.Generator().manual_seed(0), **kwargs).images
-    assert abs(again - images).max() < 1e-4
+    again = realign(reloaded)(generator=torch.Generator().manual_seed(0), **kwargs).images
+    np.testing.assert_array_equal(again, images)  # bit-identical once realigned, see tests/_exact.py
 
 
 def _controlnet_residuals(unet, sample, timestep, text):
