@@ -1,9 +1,13 @@
 #!/usr/bin/env python
 """The main job: train a small diffusion model on the embedded Fashion-MNIST, then sample it and score it.
 
-1. train ``training/train_unconditional.py``: an EDM2 magnitude-preserving UNet (1.2M parameters, 32x32) with
-   ScaleLong constant scaling of its long skips, the EDM2 recipe (log-normal sigma, learned uncertainty,
-   Adam (0.9, 0.99), inverse-sqrt lr) and post-hoc EMA snapshots;
+0. measure the training throughput for a few seconds with one torch thread and with all cores, keep the faster
+   setting (on a busy machine multi-threaded CPU kernels stall waiting for descheduled threads) and plan the number
+   of steps: as many as fit ``--train_minutes``, at least ``--min_train_steps`` (enough for recognisable samples),
+   at most ``--max_train_steps``; ``--time_cap_minutes`` stops training early on a machine far slower than measured;
+1. train ``training/train_unconditional.py``: an EDM2 magnitude-preserving UNet (1.2M parameters, 28x28, the data's
+   own resolution) with ScaleLong constant scaling of its long skips, the EDM2 recipe (log-normal sigma, learned
+   uncertainty, Adam (0.9, 0.99), inverse-sqrt lr) and post-hoc EMA snapshots;
 2. reconstruct the EMA of length ``--sigma_rel`` from the snapshots (post-hoc EMA, EDM2 Algorithm 3);
 3. save that network as an ``EDM2Pipeline`` folder, sample an 8x8 PNG grid and ``--num_samples`` images;
 4. print FD and KID in the feature space of the package's Fashion-MNIST classifier (not Inception FID).
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from diffusers_scalelong.ema import save_reconstructed_models
+from diffusers_scalelong.ema import list_snapshots, save_reconstructed_models
 from diffusers_scalelong.metrics import compute_fd_kid
 from diffusers_scalelong.models import EDM2UNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline
@@ -35,12 +39,12 @@ TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "training" / "train_unco
 # The recipe: EDM2 UNet + ScaleLong CS + EDM2 loss and lr + post-hoc EMA (see benchmarks/results/training.md).
 TRAINING_RECIPE = [
     "--model", "edm2", "--model_channels", "32", "--channel_mult", "1", "2", "2", "--layers_per_block", "1",
-    "--attention_resolutions", "8", "--channels_per_head", "32",
+    "--attention_resolutions", "7", "--channels_per_head", "32",
     "--lsc", "cs", "--kappa", "0.7",
     "--recipe", "edm2", "--learning_rate", "0.01", "--lr_warmup_steps", "100", "--lr_ref_steps", "2000",
-    "--resolution", "32", "--train_batch_size", "32",
+    "--resolution", "28", "--train_batch_size", "32",
     "--ema_sigma_rels", "0.05", "0.10", "--snapshot_every", "100",
-    "--checkpointing_steps", "250", "--checkpoints_total_limit", "1",
+    "--checkpointing_steps", "250", "--checkpoints_total_limit", "1", "--diagnostics_every", "100",
     "--save_images_steps", "500", "--num_grid_images", "16", "--num_inference_steps", "12",
 ]  # fmt: skip
 
@@ -50,9 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--output_dir", required=True, help="folder for the training run, pipeline, grid and metric")
-    parser.add_argument("--max_train_steps", type=int, default=4000, help="optimiser steps (batch 32)")
     parser.add_argument(
-        "--minutes", type=float, default=7.5, help="stop training after this wall time even if steps remain"
+        "--train_minutes", type=float, default=7.0, help="training time the step plan aims at (measured throughput)"
+    )
+    parser.add_argument(
+        "--min_train_steps", type=int, default=450, help="train at least this many steps (batch 32), even if slower"
+    )
+    parser.add_argument("--max_train_steps", type=int, default=1500, help="train at most this many steps")
+    parser.add_argument(
+        "--time_cap_minutes",
+        type=float,
+        default=9.5,
+        help="safety net: stop training after this wall time even if the plan is not finished",
     )
     parser.add_argument("--sigma_rel", type=float, default=0.10, help="EMA length reconstructed after training")
     parser.add_argument("--num_samples", type=int, default=256, help="generated images for the metric")
@@ -64,23 +77,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default: all cores; on a machine busy with other jobs 1 is faster, because "
+        help="torch threads (default: measured; one thread wins on a machine busy with other jobs, because "
         "multi-threaded CPU kernels stall waiting for descheduled threads)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0 < args.min_train_steps <= args.max_train_steps:
+        parser.error("need 0 < --min_train_steps <= --max_train_steps")
+    if not 0 < args.train_minutes <= args.time_cap_minutes:
+        parser.error("need 0 < --train_minutes <= --time_cap_minutes")
+    return args
 
 
-def train(args: argparse.Namespace, train_dir: Path) -> None:
+def probe_step_rate(threads: int, seconds: float = 4.0, max_steps: int = 3) -> float:
+    """Training steps per second of the demo network with ``threads`` torch threads, measured for a few seconds.
+
+    One warm-up step, then up to ``max_steps`` timed steps (forward, backward, Adam) or ``seconds``, whichever
+    comes first, so a setting that stalls on a busy machine costs little to rule out.
+    """
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    unet = EDM2UNet2DModel(
+        sample_size=28, in_channels=1, model_channels=32, channel_mult=(1, 2, 2), layers_per_block=1,
+        attention_resolutions=(7,), channels_per_head=32, lsc_method="cs", lsc_kappa=0.7,
+    )  # fmt: skip
+    optimizer = torch.optim.Adam(unet.parameters(), lr=1e-4)
+    images = torch.randn(32, 1, 28, 28)
+
+    def step() -> None:
+        unet(images, torch.randn(32)).sample.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    started, steps = time.perf_counter(), 0
+    while steps < max_steps and time.perf_counter() - started < seconds:
+        step()
+        steps += 1
+    return steps / (time.perf_counter() - started)
+
+
+def plan_training(args: argparse.Namespace) -> int:
+    """Choose the torch threads (unless given) and the number of training steps from measured throughput."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    candidates = [args.threads] if args.threads else sorted({1, cores})
+    rates = {threads: probe_step_rate(threads) for threads in candidates}
+    args.threads = max(rates, key=rates.get)
+    torch.set_num_threads(args.threads)
+    rate = rates[args.threads]
+    measured = ", ".join(f"{threads} thread(s): {r:.2f} steps/s" for threads, r in rates.items())
+    load = f"load average {os.getloadavg()[0]:.1f} on {cores} core(s)" if hasattr(os, "getloadavg") else ""
+    # About 10% of the training time goes to start-up, checkpoints, snapshots and diagnostics.
+    planned = int(0.9 * rate * 60 * args.train_minutes)
+    steps = min(args.max_train_steps, max(args.min_train_steps, planned))
+    print(f"[0/4] throughput ({load}): {measured}; using {args.threads} thread(s)")
+    print(
+        f"      plan: {steps} steps of batch 32, about {steps / rate / 60 / 0.9:.1f} min of training "
+        f"(at least {args.min_train_steps}, at most {args.max_train_steps}; "
+        f"safety net at {args.time_cap_minutes} min)",
+        flush=True,
+    )
+    return steps
+
+
+def train(args: argparse.Namespace, train_dir: Path, steps: int) -> None:
     if (train_dir / "model_index.json").is_file():
         print(f"[1/4] {train_dir} holds a finished training run; reusing it (delete the folder to retrain)")
         return
-    print(f"[1/4] training for up to {args.max_train_steps} steps or {args.minutes} minutes", flush=True)
+    print(f"[1/4] training {steps} steps", flush=True)
     command = [sys.executable, str(TRAIN_SCRIPT), "--output_dir", str(train_dir), *TRAINING_RECIPE]
-    command += ["--max_train_steps", str(args.max_train_steps), "--max_train_time_minutes", str(args.minutes)]
+    command += ["--max_train_steps", str(steps), "--max_train_time_minutes", str(args.time_cap_minutes)]
     command += ["--seed", str(args.seed), "--resume_from_checkpoint", "latest"]
     result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if result.returncode != 0:
         raise SystemExit(f"training stopped with exit code {result.returncode}; rerun the same command to resume it")
+    trained = max((info.time for info in list_snapshots(train_dir / "ema_snapshots")), default=0)
+    if trained < steps:
+        print(
+            f"      the {args.time_cap_minutes}-minute safety net stopped training after {trained} of {steps} steps: "
+            "this machine ran much slower than measured, so expect weaker samples (rerun with a larger "
+            "--time_cap_minutes, or on a less busy machine)",
+            flush=True,
+        )
 
 
 @torch.no_grad()
@@ -101,10 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(args.output_dir)
     train_dir = output_dir / "train"
     started = time.monotonic()
-    args.threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(args.threads)
-    print(f"using {args.threads} torch thread(s)")
-    train(args, train_dir)
+    steps = plan_training(args)
+    train(args, train_dir, steps)
 
     print(f"[2/4] reconstructing the post-hoc EMA with sigma_rel={args.sigma_rel}", flush=True)
     (folder,) = save_reconstructed_models(
