@@ -13,23 +13,60 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 MP_SILU_SCALE = 0.596
 """RMS of silu(z) for z ~ N(0, 1) (0.5955...), the divisor of :func:`mp_silu`."""
 
 
+class _Normalize(torch.autograd.Function):
+    """``y = x / ((eps + n * sqrt(n_norm / n_x)) * scale)`` with ``n = ||x||`` over ``dim``; one norm, two passes.
+
+    Backward from the saved output (no copy of ``x``): with ``d = eps + a n``, ``a = sqrt(n_norm / n_x)``,
+    ``dL/dx = g / (d scale) - y <g, y> a scale / n`` (``<g, y>`` summed over ``dim``; the second term is 0 where
+    ``n = 0``, like autograd's norm derivative). ``norm`` may be given when it is known (the forced weight
+    normalisation computes it), then no norm is computed at all.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, eps, scale, norm):
+        compute_dtype = torch.promote_types(x.dtype, torch.float32)
+        if norm is None:
+            norm = torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=compute_dtype)
+        alpha = math.sqrt(norm.numel() / x.numel())
+        denom = torch.add(eps, norm, alpha=alpha)
+        if scale != 1:
+            denom = denom * scale
+        y = x / denom.to(x.dtype)
+        ctx.save_for_backward(y, denom, norm)
+        ctx.dim, ctx.alpha_scale = dim, alpha * scale
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        y, denom, norm = ctx.saved_tensors
+        dot = (grad * y).sum(dim=ctx.dim, keepdim=True, dtype=denom.dtype)
+        coef = dot * ctx.alpha_scale / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+        grad_x = torch.addcmul(grad / denom.to(grad.dtype), y, coef.to(grad.dtype), value=-1)
+        return grad_x, None, None, None, None
+
+
+def _reduction_dims(x: torch.Tensor, dim: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(1, x.ndim))
+    return (dim,) if isinstance(dim, int) else tuple(dim)
+
+
 def normalize(x: torch.Tensor, dim: int | tuple[int, ...] | None = None, eps: float = 1e-4) -> torch.Tensor:
     """Scale every slice of ``x`` to unit RMS: ``x / (eps + ||x|| * sqrt(n_norm / n_x))``.
 
-    The L2 norm is taken over ``dim`` (default: all dims but 0), in fp32; ``n_norm / n_x`` is
-    1 / (number of elements per slice), so ``||x|| * sqrt(n_norm / n_x)`` is the slice's RMS.
+    The L2 norm is taken over ``dim`` (default: all dims but 0), in float32 (float64 for float64 input);
+    ``n_norm / n_x`` is 1 / (number of elements per slice), so ``||x|| * sqrt(n_norm / n_x)`` is the slice's RMS.
     For a weight [O, I, k, k] each output row ``w_o`` becomes ``w_o / (eps + ||w_o|| / sqrt(I k k))``.
+    Forward and backward are fused (:class:`_Normalize`): one norm, and nothing but the output saved for backward.
     """
-    if dim is None:
-        dim = tuple(range(1, x.ndim))
-    norm = torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=torch.float32)
-    norm = torch.add(eps, norm, alpha=math.sqrt(norm.numel() / x.numel()))
-    return x / norm.to(x.dtype)
+    return _Normalize.apply(x, _reduction_dims(x, dim), eps, 1.0, None)
 
 
 def pixel_norm(x: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -135,14 +172,28 @@ class MPConv(nn.Module):
         self._cached_key: tuple | None = None
 
     @torch.no_grad()
-    def force_weight_normalization(self) -> None:
-        """Project the stored weight onto unit-RMS output rows (the forced weight normalisation)."""
+    def force_weight_normalization(self) -> torch.Tensor | None:
+        """Project the stored weight onto unit-RMS output rows (the forced weight normalisation).
+
+        Returns the rows' L2 norms after the projection (float32, ``sqrt(fan_in)`` or 0 for an all-zero row) when
+        the stored dtype holds the projected values exactly (float32, float64), else None.
+        """
         w = self.weight.to(torch.float32)
         dims = tuple(range(1, w.ndim))
-        rms = torch.linalg.vector_norm(w, dim=dims, keepdim=True) / math.sqrt(w[0].numel())
-        self.weight.copy_(w / rms.clamp_min(torch.finfo(torch.float32).tiny))
+        norm = torch.linalg.vector_norm(w, dim=dims, keepdim=True)
+        rms = (norm / math.sqrt(w[0].numel())).clamp_min(torch.finfo(torch.float32).tiny)
+        if self.weight.dtype == torch.float32:
+            self.weight.div_(rms)  # the same rounding as w / rms, without a temporary
+        else:
+            self.weight.copy_(w / rms)
+        return norm / rms if torch.finfo(self.weight.dtype).bits >= 32 else None
 
-    def _scaled_unit_weight(self) -> torch.Tensor:
+    def _unit_weight(self, norm: torch.Tensor | None = None) -> torch.Tensor:
+        """``normalize(w) / sqrt(fan_in)`` in float32 (``norm``: the rows' known L2 norms)."""
+        w = self.weight.to(torch.float32)
+        return _Normalize.apply(w, tuple(range(1, w.ndim)), 1e-4, math.sqrt(w[0].numel()), norm)
+
+    def _scaled_unit_weight(self, norm: torch.Tensor | None = None) -> torch.Tensor:
         """``normalize(w) / sqrt(fan_in)`` in float32; cached in eval mode without autograd."""
         use_cache = (
             self.weight_cache_enabled
@@ -152,20 +203,17 @@ class MPConv(nn.Module):
         )
         if not use_cache:
             self._cached_weight = self._cached_key = None
-            # A copy, so that a later training-mode forward (which projects the stored weight in place) does not
-            # invalidate what this forward saved for backward.
-            w = normalize(self.weight.to(torch.float32, copy=True))
-            return w / math.sqrt(w[0].numel())
+            # Saves only its output for backward, so a later training-mode forward (which projects the stored
+            # weight in place) does not invalidate what this forward saved.
+            return self._unit_weight(norm)
         key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.weight.device)
         if self._cached_key != key:
-            w = normalize(self.weight.to(torch.float32))
-            self._cached_weight, self._cached_key = w / math.sqrt(w[0].numel()), key
+            self._cached_weight, self._cached_key = self._unit_weight(), key
         return self._cached_weight
 
     def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1.0) -> torch.Tensor:
-        if self.training:
-            self.force_weight_normalization()
-        w = self._scaled_unit_weight()
+        norm = self.force_weight_normalization() if self.training else None
+        w = self._scaled_unit_weight(norm)
         if not (isinstance(gain, float | int) and gain == 1):
             w = w * gain
         w = w.to(x.dtype)
