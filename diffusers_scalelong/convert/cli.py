@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .edm2_official import convert_edm2_pickle, push_converted_edm2
+from .edm2_snapshots import convert_edm2_snapshots
 from .uvit_official import OFFICIAL_LSC_METHODS, convert_uvit_checkpoint
 
 
@@ -20,11 +21,20 @@ def edm2_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scalelong-convert-edm2",
         description="Convert an official EDM2 network pickle (read safely: no code from it runs) into an "
-        "EDM2Pipeline folder that also loads as an EDMPreconditioner for fine-tuning. The released models are "
-        "licensed CC BY-NC-SA 4.0 by NVIDIA; the converted folder stays under that license.",
+        "EDM2Pipeline folder that also loads as an EDMPreconditioner for fine-tuning; or a folder of official raw "
+        "post-hoc EMA snapshots into phema-*.safetensors snapshot files for scalelong-reconstruct-ema. The "
+        "released models are licensed CC BY-NC-SA 4.0 by NVIDIA; the converted files stay under that license.",
     )
-    parser.add_argument("network", help="official network pickle, e.g. edm2-img512-xs-2147483-0.135.pkl")
-    parser.add_argument("--output_dir", required=True, help="folder to write the pipeline into")
+    parser.add_argument(
+        "network",
+        help="official network pickle (e.g. edm2-img512-xs-2147483-0.135.pkl), or a folder of raw snapshot "
+        "pickles <prefix>-<kimg>-<sigma_rel>.pkl (e.g. raw-snapshots/edm2-img512-xs)",
+    )
+    parser.add_argument("--output_dir", required=True, help="folder to write the pipeline or the snapshots into")
+    parser.add_argument("--prefix", default=None, help="snapshot folders: the run's file name prefix to convert")
+    parser.add_argument(
+        "--sigma_rel", type=float, nargs="+", default=None, help="snapshot folders: convert only these profiles"
+    )
     parser.add_argument(
         "--vae",
         default=None,
@@ -41,6 +51,8 @@ def edm2_parser() -> argparse.ArgumentParser:
 
 def edm2_main(argv: Sequence[str] | None = None) -> int:
     args = edm2_parser().parse_args(argv)
+    if Path(args.network).is_dir():
+        return _convert_snapshots(args)
     _check_output(args.output_dir, args.overwrite)
     try:
         pipeline = convert_edm2_pickle(args.network, args.output_dir, args.vae, args.guide, args.guidance)
@@ -52,6 +64,18 @@ def edm2_main(argv: Sequence[str] | None = None) -> int:
             args.output_dir, args.push_to_hub, pipeline, endpoint=args.hub_endpoint, private=args.private or None
         )
         print(f"pushed to {url}")
+    return 0
+
+
+def _convert_snapshots(args: argparse.Namespace) -> int:
+    for option in ("vae", "guide", "guidance", "push_to_hub"):
+        if getattr(args, option) is not None:
+            raise SystemExit(f"scalelong-convert-edm2: --{option} applies to a network pickle, not a snapshot folder")
+    try:
+        paths = convert_edm2_snapshots(args.network, args.output_dir, args.prefix, args.sigma_rel, args.overwrite)
+    except ValueError as error:
+        raise SystemExit(f"scalelong-convert-edm2: {error}") from None
+    print(f"wrote {len(paths)} snapshots to {args.output_dir} (existing ones kept unless --overwrite)")
     return 0
 
 

@@ -42,6 +42,8 @@ __all__ = [
     "SOURCE_METADATA",
     "convert_edm2_pickle",
     "from_edm2_pickle",
+    "kimg_to_images",
+    "networks_from_pickle",
     "parse_official_name",
     "preconditioner_from_edm2_pickle",
     "read_edm2_pickle",
