@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from diffusers_scalelong.training_utils import DDPMRecipe, EDM2Recipe, build_edm2, build_unet2d, build_uvit
-from diffusers_scalelong.training_utils.recipes import make_noise_scheduler
+from diffusers_scalelong.trainer import DDPMRecipe, EDM2Recipe, build_edm2, build_unet2d, build_uvit
+from diffusers_scalelong.trainer.recipes import make_noise_scheduler
 
 RESULTS = Path(__file__).parent / "results" / "training.md"
 

@@ -14,8 +14,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 import diffusers_scalelong  # noqa: F401  (registers the plugin classes for from_pretrained)
-from diffusers_scalelong.scalelong import LSC_METHODS
-from diffusers_scalelong.training_utils import load_pretrained_unet
+from diffusers_scalelong.scalelong import LSC_METHODS, load_pretrained_unet
 
 
 def main() -> None:

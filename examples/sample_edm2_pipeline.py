@@ -14,7 +14,7 @@ from diffusers import DiffusionPipeline, EDMDPMSolverMultistepScheduler, EDMEule
 
 import diffusers_scalelong  # noqa: F401  (registers EDM2Pipeline and the plugin classes)
 from diffusers_scalelong.schedulers import EDMHeunScheduler
-from diffusers_scalelong.training_utils import save_image_grid
+from diffusers_scalelong.trainer import save_image_grid
 
 SAMPLERS = {"heun": EDMHeunScheduler, "euler": EDMEulerScheduler, "dpm": EDMDPMSolverMultistepScheduler}
 

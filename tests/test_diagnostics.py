@@ -9,7 +9,7 @@ from diffusers import UNet2DModel
 from diffusers_scalelong.edm2 import EDM2Loss, EDMPreconditioner, LearnedUncertainty
 from diffusers_scalelong.models import EDM2UNet2DModel, ScaleLongUNet2DModel, UViT2DModel
 from diffusers_scalelong.scalelong import StabilityDiagnostics
-from diffusers_scalelong.training_utils.loop import make_diagnostics
+from diffusers_scalelong.trainer.loop import make_diagnostics
 
 UNET_CONFIG = dict(
     sample_size=8,

@@ -25,19 +25,18 @@ from diffusers import AutoencoderKL, StableDiffusionPipeline
 from diffusers.optimization import get_scheduler
 
 from diffusers_scalelong.data import ImageTransform
-from diffusers_scalelong.training_utils import (
+from diffusers_scalelong.trainer import (
     CaptionedImages,
+    Checkpoint,
     DDPMRecipe,
     TrainingJob,
     add_lsc_args,
     add_training_args,
-    check_checkpoint_matches,
     ensure_writable_dir,
     images_from_numpy,
     load_captioned_dataset,
     load_pretrained_unet,
     positive_int,
-    resolve_resume_checkpoint,
     run_script_main,
     run_training,
     validate_training_args,
@@ -114,7 +113,7 @@ def load_components(path: str) -> dict:
 def train(args: argparse.Namespace) -> Path:
     validate_args(args)
     output_dir = ensure_writable_dir(args.output_dir)
-    resume_from = resolve_resume_checkpoint(args.resume_from_checkpoint, output_dir)
+    resume_from = Checkpoint.resolve(args.resume_from_checkpoint, output_dir)
     dataset = load_captioned_dataset(
         args.dataset_name,
         args.train_data_dir,
@@ -129,7 +128,7 @@ def train(args: argparse.Namespace) -> Path:
     set_seed(args.seed)
     unet = load_pretrained_unet(args.pretrained_model_name_or_path, args.lsc, args.kappa)
     if resume_from is not None:
-        check_checkpoint_matches(resume_from, "unet", unet)
+        resume_from.check_matches("unet", unet)
     tokenizer, text_encoder, vae = components["tokenizer"], components["text_encoder"], components["vae"]
     recipe = DDPMRecipe(components["noise_scheduler"])
 

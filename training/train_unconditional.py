@@ -21,9 +21,11 @@ import torch
 from accelerate.utils import set_seed
 
 from diffusers_scalelong.data import ImageTransform
-from diffusers_scalelong.training_utils import (
+from diffusers_scalelong.edm2.presets import get_edm2_preset
+from diffusers_scalelong.trainer import (
     MODEL_TYPES,
     RECIPES,
+    Checkpoint,
     DDPMRecipe,
     EDM2Recipe,
     TrainingImages,
@@ -33,7 +35,6 @@ from diffusers_scalelong.training_utils import (
     build_edm2,
     build_unet2d,
     build_uvit,
-    check_checkpoint_matches,
     ensure_writable_dir,
     infer_channels,
     load_pretrained_unet,
@@ -41,12 +42,12 @@ from diffusers_scalelong.training_utils import (
     make_noise_scheduler,
     num_classes,
     positive_int,
-    resolve_resume_checkpoint,
     run_script_main,
     run_training,
     validate_training_args,
 )
 
+EDM2_PRESET_DATASET = "img64"  # the presets' pixel-space recipe (these scripts train on pixels)
 RECIPE_DEFAULTS = {
     # learning_rate, warm-up steps, adam betas, weight decay, gradient clipping, grid sampler steps
     "ddpm": dict(
@@ -66,8 +67,23 @@ RECIPE_DEFAULTS = {
         adam_weight_decay=0.0,
         max_grad_norm=0.0,
         num_inference_steps=16,
+        P_mean=-0.8,
+        P_std=1.6,
+        lr_ref_steps=35_000,
     ),
 }
+
+
+def recipe_defaults(args: argparse.Namespace) -> dict:
+    """The defaults of the options left unset: the recipe's, and with ``--edm2_preset`` the paper's recipe of that
+    preset (``EDM2Preset``: reference lr, P_mean, P_std and t_ref as the lr decay steps)."""
+    defaults = dict(RECIPE_DEFAULTS[args.recipe])
+    if args.recipe == "edm2" and args.edm2_preset is not None:
+        preset = get_edm2_preset(args.edm2_preset, dataset=EDM2_PRESET_DATASET)
+        defaults.update(
+            learning_rate=preset.ref_lr, P_mean=preset.P_mean, P_std=preset.P_std, lr_ref_steps=preset.t_ref
+        )
+    return defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--edm2_preset",
         choices=("XS", "S", "M", "L", "XL", "XXL"),
         default=None,
-        help="edm2: the paper's preset widths",
+        help="edm2: the paper's preset (ImageNet-64 pixel recipe): its widths and dropout, and with --recipe edm2 "
+        "its learning rate, P_mean, P_std and lr decay steps as defaults",
     )
     model.add_argument(
         "--model_channels",
@@ -153,10 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument(
         "--prediction_type", choices=("epsilon", "v_prediction"), default="epsilon", help="ddpm: network target"
     )
-    recipe.add_argument("--P_mean", type=float, default=-0.8, help="edm2: mean of ln(sigma) during training")
-    recipe.add_argument("--P_std", type=float, default=1.6, help="edm2: standard deviation of ln(sigma)")
     recipe.add_argument(
-        "--lr_ref_steps", type=positive_int, default=35_000, help="edm2: steps after which the lr decays as 1/sqrt(t)"
+        "--P_mean",
+        type=float,
+        default=None,
+        help="edm2: mean of ln(sigma) during training (default: -0.8 or the preset's)",
+    )
+    recipe.add_argument(
+        "--P_std", type=float, default=None, help="edm2: std of ln(sigma) (default: 1.6 or the preset's)"
+    )
+    recipe.add_argument(
+        "--lr_ref_steps",
+        type=positive_int,
+        default=None,
+        help="edm2: steps after which the lr decays as 1/sqrt(t) (default: 35000 or the preset's t_ref)",
     )
     recipe.add_argument(
         "--lr_scheduler", default="cosine", help="ddpm: diffusers lr schedule (constant, linear, cosine, ...)"
@@ -191,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_args(args: argparse.Namespace) -> None:
     """Everything that can be checked from the options alone; raises ``ValueError`` naming the option."""
     validate_training_args(args)
-    for key, value in RECIPE_DEFAULTS[args.recipe].items():
+    for key, value in recipe_defaults(args).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.dataset_name and args.train_data_dir:
@@ -202,7 +229,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--class_conditional needs --recipe edm2 (DDPMPipeline samples unconditionally)")
     if args.recipe == "edm2" and args.prediction_type != "epsilon":
         raise ValueError("--prediction_type applies to --recipe ddpm only")
-    if args.P_std <= 0:
+    if args.recipe == "edm2" and args.P_std <= 0:
         raise ValueError(f"--P_std must be positive, got {args.P_std}")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must lie in [0, 1), got {args.dropout}")
@@ -287,7 +314,7 @@ def prepare_run(args: argparse.Namespace):
     """All checks and the cheap set-up, in the order that fails fastest; nothing is written but a probe file."""
     validate_args(args)
     output_dir = ensure_writable_dir(args.output_dir)
-    resume_from = resolve_resume_checkpoint(args.resume_from_checkpoint, output_dir)
+    resume_from = Checkpoint.resolve(args.resume_from_checkpoint, output_dir)
     dataset = load_training_dataset(
         dataset_name=args.dataset_name,
         train_data_dir=args.train_data_dir,
@@ -305,7 +332,7 @@ def prepare_run(args: argparse.Namespace):
     set_seed(args.seed)  # identical initial weights on every process
     unet = build_model(args, channels, classes)
     if resume_from is not None:
-        check_checkpoint_matches(resume_from, "unet", unet)
+        resume_from.check_matches("unet", unet)
     return output_dir, resume_from, dataset, channels, recipe, unet
 
 

@@ -17,7 +17,6 @@ from diffusers import EDMEulerScheduler
 from torch import nn
 
 from ..atomic import atomic_write_text
-from ..models.edm2_unet import EDM2UNet2DModel
 from .uncertainty import LearnedUncertainty
 
 __all__ = ["EDMPreconditioner", "edm_precondition"]
@@ -93,24 +92,57 @@ class EDMPreconditioner(nn.Module):
             return denoised, torch.zeros_like(sigma)
         return denoised, self.uncertainty(_edm_scheduler(self.sigma_data).precondition_noise(sigma.flatten()))
 
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
-        """Save the UNet and the uncertainty head as diffusers models, plus ``sigma_data``."""
-        os.makedirs(save_directory, exist_ok=True)
-        self.unet.save_pretrained(os.path.join(save_directory, "unet"), **kwargs)
+    def components(self) -> dict[str, nn.Module]:
+        """The diffusers models inside, by folder name: ``unet`` and, when present, ``uncertainty``."""
+        found = {"unet": self.unet}
         if self.uncertainty is not None:
-            self.uncertainty.save_pretrained(os.path.join(save_directory, "uncertainty"), **kwargs)
+            found["uncertainty"] = self.uncertainty
+        return found
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """The one save format of a preconditioner: ``unet/`` and ``uncertainty/`` as diffusers model folders, plus
+        ``preconditioner_config.json`` (``sigma_data`` and the UNet's class name)."""
+        os.makedirs(save_directory, exist_ok=True)
+        for name, component in self.components().items():
+            component.save_pretrained(os.path.join(save_directory, name), **kwargs)
         config = {"sigma_data": self.sigma_data, "unet_class": type(self.unet).__name__}
         atomic_write_text(os.path.join(save_directory, PRECONDITIONER_CONFIG), json.dumps(config, indent=2))
 
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, **kwargs) -> "EDMPreconditioner":
-        """Load what :meth:`save_pretrained` wrote (an :class:`EDM2UNet2DModel`); ``kwargs`` go to both loaders."""
+    @staticmethod
+    def read_config(directory: str | os.PathLike) -> dict:
+        """``preconditioner_config.json`` of a folder written by :meth:`save_pretrained`."""
         config_path = os.path.join(directory, PRECONDITIONER_CONFIG)
         if not os.path.isfile(config_path):
             raise ValueError(f"{config_path} not found: not a folder written by EDMPreconditioner.save_pretrained")
         with open(config_path) as handle:
-            config = json.load(handle)
-        unet = EDM2UNet2DModel.from_pretrained(os.path.join(directory, "unet"), **kwargs)
+            return json.load(handle)
+
+    def load_weights(self, directory: str | os.PathLike) -> None:
+        """Load the weights of a :meth:`save_pretrained` folder into this preconditioner in place (safetensors only),
+        after checking that it was saved with the same UNet class and ``sigma_data``."""
+        config = self.read_config(directory)
+        saved = (config.get("unet_class"), float(config["sigma_data"]))
+        if saved != (type(self.unet).__name__, self.sigma_data):
+            raise ValueError(
+                f"{directory} holds a preconditioner of {saved[0]} with sigma_data={saved[1]}, but this one wraps "
+                f"{type(self.unet).__name__} with sigma_data={self.sigma_data}"
+            )
+        for name, component in self.components().items():
+            path = os.path.join(directory, name)
+            if not os.path.isdir(path):
+                raise ValueError(f"{directory} has no {name}/ folder")
+            loaded = type(component).from_pretrained(path, low_cpu_mem_usage=False)
+            component.load_state_dict(loaded.state_dict())
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, **kwargs) -> "EDMPreconditioner":
+        """Load what :meth:`save_pretrained` wrote; the UNet class is the one its config names (a model of this
+        package or of diffusers). ``kwargs`` go to both loaders."""
+        from ..scalelong.upgrade import model_class_by_name
+
+        config = cls.read_config(directory)
+        unet_class = model_class_by_name(config.get("unet_class", "EDM2UNet2DModel"))
+        unet = unet_class.from_pretrained(os.path.join(directory, "unet"), **kwargs)
         uncertainty_dir = os.path.join(directory, "uncertainty")
         uncertainty = (
             LearnedUncertainty.from_pretrained(uncertainty_dir, **kwargs) if os.path.isdir(uncertainty_dir) else None

@@ -77,17 +77,6 @@ class DDPMRecipe:
         return images_from_numpy(output.images)
 
 
-class _SigmaDataCaller:
-    """Calls a (DDP-wrapped) denoiser and exposes the ``sigma_data`` that ``EDM2Loss`` reads from it."""
-
-    def __init__(self, denoiser: torch.nn.Module, sigma_data: float):
-        self.denoiser = denoiser
-        self.sigma_data = sigma_data
-
-    def __call__(self, *args, **kwargs):
-        return self.denoiser(*args, **kwargs)
-
-
 class EDM2Recipe:
     """EDM2 (Karras et al. 2024): ``ln sigma ~ N(P_mean, P_std^2)``, EDM preconditioning around the raw UNet ``F``,
     loss ``(w(sigma) / exp(u(sigma))) ||D(y + n; sigma) - y||^2 + u(sigma)`` with a learned uncertainty ``u``.
@@ -101,7 +90,7 @@ class EDM2Recipe:
     def __init__(self, P_mean: float = -0.8, P_std: float = 1.6, sigma_data: float = 0.5, logvar_channels: int = 128):
         from ..edm2 import EDM2Loss
 
-        self.loss_fn = EDM2Loss(P_mean=P_mean, P_std=P_std)
+        self.loss_fn = EDM2Loss(P_mean=P_mean, P_std=P_std, sigma_data=sigma_data)
         self.sigma_data = sigma_data
         self.logvar_channels = logvar_channels
 
@@ -114,7 +103,7 @@ class EDM2Recipe:
         self, denoiser: torch.nn.Module, images: torch.Tensor, class_labels: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The EDM2 loss of ``denoiser`` (possibly wrapped for data parallelism, which hides ``sigma_data``)."""
-        return self.loss_fn(_SigmaDataCaller(denoiser, self.sigma_data), images, class_labels).loss
+        return self.loss_fn(denoiser, images, class_labels).loss
 
     def scheduler(self):
         from ..schedulers import EDMHeunScheduler

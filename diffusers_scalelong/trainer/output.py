@@ -1,13 +1,10 @@
-"""Atomic file writes and output-folder checks used by the training scripts."""
+"""A run's output folder: checked writable before any work, the final pipeline swapped in atomically, and an
+optional upload to the Hub."""
 
 import os
 import shutil
 import tempfile
 from pathlib import Path
-
-from PIL import Image
-
-from ..atomic import atomic_path
 
 
 def ensure_writable_dir(path: str | os.PathLike, option: str = "--output_dir") -> Path:
@@ -23,12 +20,6 @@ def ensure_writable_dir(path: str | os.PathLike, option: str = "--output_dir") -
     except OSError as error:
         raise ValueError(f"{option} {str(folder)!r} is not a writable folder: {error.strerror or error}") from error
     return folder
-
-
-def save_image_atomic(image: Image.Image, path: str | os.PathLike) -> None:
-    """Write a PNG through a temporary file in the same folder, then ``os.replace`` it into place."""
-    with atomic_path(path) as temporary:
-        image.save(temporary, format="PNG")
 
 
 def replace_folder_contents(source: str | os.PathLike, target: str | os.PathLike, last: tuple[str, ...] = ()) -> None:
@@ -49,3 +40,34 @@ def replace_folder_contents(source: str | os.PathLike, target: str | os.PathLike
         os.replace(source / name, destination)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def save_pipeline_atomic(pipeline, output_dir: str | os.PathLike) -> Path:
+    """``pipeline.save_pretrained`` into a temporary folder, then swap its entries into ``output_dir``.
+
+    ``model_index.json`` is moved last, so a reader never finds an index whose components are half written.
+    """
+    output_dir = Path(output_dir)
+    tmp = Path(tempfile.mkdtemp(dir=output_dir, prefix=".pipeline-"))
+    try:
+        pipeline.save_pretrained(tmp)
+        replace_folder_contents(tmp, output_dir, last=("model_index.json",))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output_dir
+
+
+def push_run_to_hub(pipeline, output_dir: str | os.PathLike, repo_id: str, private: bool = False) -> str:
+    """Upload the final pipeline (Hub-native layout with model card) and the run's post-hoc EMA snapshots.
+
+    Returns the pipeline commit URL. Credentials and endpoint come from the environment (``HF_TOKEN``,
+    ``HF_ENDPOINT``), as for every ``huggingface_hub`` call.
+    """
+    from ..hub import push_snapshots
+    from ..pipelines import push_pipeline_to_hub
+
+    url = push_pipeline_to_hub(pipeline, repo_id, private=private or None)
+    snapshots = Path(output_dir) / "ema_snapshots"
+    if snapshots.is_dir() and any(snapshots.glob("*.safetensors")):
+        push_snapshots(snapshots, repo_id)
+    return url

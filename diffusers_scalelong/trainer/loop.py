@@ -1,7 +1,7 @@
 """The training loop shared by the training scripts: Accelerate set-up, checkpoints, EMA, logging, final save.
 
 A script describes its run as a :class:`TrainingJob` (what to train, how to compute the loss of a batch, how to
-build the pipeline) and calls :func:`run_training` with its parsed options (see ``cli.add_training_args``).
+build the pipeline) and calls :func:`run_training` with its parsed options (see ``options.add_training_args``).
 """
 
 import argparse
@@ -18,11 +18,11 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast
 from tqdm.auto import tqdm
 
-from .checkpoints import list_checkpoints, load_components, save_checkpoint, save_components
-from .ema import TrainingEMA, count_parameters
-from .export import push_run_to_hub, save_pipeline_atomic
-from .images import save_image_grid
+from .checkpoint import Checkpoint
+from .image_grid import save_image_grid
+from .output import push_run_to_hub, save_pipeline_atomic
 from .rng import TrainingRNG
+from .training_ema import TrainingEMA, count_parameters
 
 
 class TrainingDiverged(RuntimeError):
@@ -64,7 +64,7 @@ def make_diagnostics(unet: torch.nn.Module, every_n_steps: int):
     """ScaleLong's stability diagnostics on ``unet`` every ``every_n_steps`` steps, or None (off / not supported)."""
     if not every_n_steps:
         return None
-    from ..diagnostics import StabilityDiagnostics
+    from ..scalelong.diagnostics import StabilityDiagnostics
 
     try:
         return StabilityDiagnostics(unet, every_n_steps=every_n_steps)
@@ -89,7 +89,7 @@ def make_accelerator(args: argparse.Namespace, output_dir: Path) -> Accelerator:
     )
 
 
-def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, resume_from: Path | None) -> Path:
+def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, resume_from: Checkpoint | None) -> Path:
     """Train ``job`` as the options say; returns ``output_dir`` holding the pipeline. Raises ``TrainingDiverged``."""
     accelerator = make_accelerator(args, output_dir)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
@@ -140,7 +140,7 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
         step_rng.save(folder, accelerator.process_index)
         if accelerator.is_main_process:
             for model in models:
-                save_components(accelerator.unwrap_model(model), folder)
+                Checkpoint.save_models(accelerator.unwrap_model(model), folder)
             ema.save(folder)
         for _ in models:
             weights.pop()
@@ -148,17 +148,23 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     def load_model_hook(models, folder):
         step_rng.load(folder, accelerator.process_index)
         while models:
-            load_components(accelerator.unwrap_model(models.pop()), folder)
+            Checkpoint.load_models(accelerator.unwrap_model(models.pop()), folder)
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
 
     global_step = 0
     if resume_from is not None:
+        state = resume_from.read_state()
+        if state["num_processes"] != accelerator.num_processes:
+            accelerator.print(
+                f"note: {resume_from} was written by {state['num_processes']} processes, this run has "
+                f"{accelerator.num_processes}; the data order and random streams will differ from an unbroken run"
+            )
         accelerator.print(f"Resuming from {resume_from}")
-        accelerator.load_state(str(resume_from))
-        ema.load(resume_from, unet)
-        global_step = int(resume_from.name.split("-")[1])
+        accelerator.load_state(str(resume_from.path))
+        ema.load(resume_from.path, unet)
+        global_step = resume_from.step
     first_epoch = global_step // steps_per_epoch
     skip_batches = (global_step % steps_per_epoch) * args.gradient_accumulation_steps
 
@@ -239,8 +245,8 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
                 if job.sample and args.save_images_steps and (global_step % args.save_images_steps == 0 or stop):
                     sample_grid(global_step)
             if global_step % args.checkpointing_steps == 0:
-                path = save_checkpoint(accelerator, output_dir, global_step, args.checkpoints_total_limit)
-                accelerator.print(f"saved {path}")
+                saved = Checkpoint.save(accelerator, output_dir, global_step, args.checkpoints_total_limit)
+                accelerator.print(f"saved {saved}")
             if stop:
                 break
     progress.close()
@@ -268,7 +274,7 @@ def run_script_main(parser: argparse.ArgumentParser, train: Callable, argv: list
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except TrainingDiverged as error:
-        found = list_checkpoints(args.output_dir)
+        found = Checkpoint.find_all(args.output_dir)
         where = f"The last good checkpoint is {found[-1]}; " if found else "No checkpoint was written yet; "
         print(
             f"error: {error}; training stopped. {where}lower --learning_rate and resume with "

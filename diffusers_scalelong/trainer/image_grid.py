@@ -1,4 +1,4 @@
-"""Sample grids: a batch of images in [-1, 1] arranged into one PNG."""
+"""Sample grids: a batch of images in [-1, 1] arranged into one PNG, written atomically."""
 
 import math
 import os
@@ -7,7 +7,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .io import save_image_atomic
+from ..atomic import atomic_path
+
+
+def save_image_atomic(image: Image.Image, path: str | os.PathLike) -> None:
+    """Write a PNG through the shared atomic-write helper (temporary file in the same folder, then rename)."""
+    with atomic_path(path) as temporary:
+        image.save(temporary, format="PNG")
 
 
 def make_image_grid(images: torch.Tensor, nrow: int | None = None, padding: int = 2) -> Image.Image:

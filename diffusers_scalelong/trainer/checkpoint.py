@@ -1,0 +1,190 @@
+"""Resumable checkpoint folders ``<output_dir>/checkpoint-<step>``: one type that owns their layout.
+
+A checkpoint folder holds what ``accelerate.Accelerator.save_state`` writes (optimiser, lr scheduler, data
+sampler states), the trained models as diffusers folders (``unet/``, and for EDM2 the preconditioner's layout:
+``unet/``, ``uncertainty/``, ``preconditioner_config.json``), each process's private RNG state, the EMA state and,
+written last, ``training_state.json`` (``global_step``, ``num_processes``): a folder without it is incomplete.
+"""
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from ..atomic import atomic_write_text
+from ..edm2.precond import EDMPreconditioner
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "training_state.json"
+# Config keys that describe where or with what a model was saved, not its architecture.
+_NON_ARCHITECTURE_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"}
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The optimisation step encoded in a checkpoint folder's name."""
+    match = CHECKPOINT_PATTERN.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint folder (expected a name like checkpoint-500)")
+    return int(match.group(1))
+
+
+def architecture_config(config: dict) -> dict:
+    """A model config without bookkeeping keys, for comparing architectures."""
+    return {key: value for key, value in dict(config).items() if key not in _NON_ARCHITECTURE_KEYS}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The checkpoint folder ``path`` (named ``checkpoint-<step>``)."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        checkpoint_step(self.path)
+
+    @classmethod
+    def at(cls, output_dir: str | os.PathLike, step: int) -> "Checkpoint":
+        return cls(Path(output_dir) / f"checkpoint-{step}")
+
+    @property
+    def step(self) -> int:
+        return checkpoint_step(self.path)
+
+    @property
+    def is_complete(self) -> bool:
+        return (self.path / STATE_FILE).is_file()
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    # ------------------------------------------------------------------------------------------ discovery
+    @staticmethod
+    def find_all(output_dir: str | os.PathLike) -> list["Checkpoint"]:
+        """Complete checkpoints in ``output_dir``, oldest (lowest step) first."""
+        folder = Path(output_dir)
+        if not folder.is_dir():
+            return []
+        found = [Checkpoint(folder / name) for name in os.listdir(folder) if CHECKPOINT_PATTERN.match(name)]
+        return sorted((c for c in found if c.is_complete), key=lambda checkpoint: checkpoint.step)
+
+    @classmethod
+    def resolve(cls, resume: str | None, output_dir: str | os.PathLike) -> "Checkpoint | None":
+        """Turn ``--resume_from_checkpoint`` (``latest``, a folder name or a path) into a checkpoint.
+
+        ``latest`` with no checkpoint yet returns ``None`` (start fresh); an explicit folder that does not exist or is
+        incomplete raises ``ValueError``.
+        """
+        if resume is None:
+            return None
+        if resume == "latest":
+            found = cls.find_all(output_dir)
+            return found[-1] if found else None
+        path = Path(resume)
+        if not path.is_absolute() and not path.exists():
+            path = Path(output_dir) / resume
+        if not (path / STATE_FILE).is_file():
+            raise ValueError(f"--resume_from_checkpoint {resume!r}: {str(path)!r} is not a complete checkpoint folder")
+        return cls(path)
+
+    @classmethod
+    def rotate(cls, output_dir: str | os.PathLike, total_limit: int | None) -> list["Checkpoint"]:
+        """Delete the oldest complete checkpoints so that at most ``total_limit`` remain; return the deleted ones."""
+        if total_limit is None:
+            return []
+        found = cls.find_all(output_dir)
+        doomed = found[: max(len(found) - total_limit, 0)]
+        for checkpoint in doomed:
+            shutil.rmtree(checkpoint.path)
+        return doomed
+
+    # ------------------------------------------------------------------------------------------ contents
+    def read_state(self) -> dict:
+        """``training_state.json``, cross-checked against the folder name: ``{"global_step", "num_processes"}``."""
+        path = self.path / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+            step, processes = int(state["global_step"]), int(state["num_processes"])
+        except (OSError, KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{str(path)!r} is not a valid training state: {error!r}") from None
+        if step != self.step:
+            raise ValueError(f"{str(path)!r} records step {step}, but the folder is named for step {self.step}")
+        return {"global_step": step, "num_processes": processes}
+
+    def check_matches(self, model_folder: str, model: nn.Module) -> None:
+        """Raise ``ValueError`` unless ``<model_folder>/config.json`` describes the same architecture as ``model``."""
+        config_path = self.path / model_folder / "config.json"
+        if not config_path.is_file():
+            raise ValueError(
+                f"checkpoint {str(self)!r} has no {model_folder}/config.json; it was not written by this script"
+            )
+        try:
+            saved = json.loads(config_path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{str(config_path)!r} is not valid JSON: {error}") from error
+        expected_class = type(model).__name__
+        if saved.get("_class_name") != expected_class:
+            raise ValueError(
+                f"checkpoint {str(self)!r} holds a {saved.get('_class_name')} model but this run builds a "
+                f"{expected_class}; resume with the same model options or use another --output_dir"
+            )
+        saved, current = architecture_config(saved), architecture_config(json.loads(json.dumps(dict(model.config))))
+        differing = sorted(key for key in set(saved) | set(current) if saved.get(key) != current.get(key))
+        if differing:
+            details = ", ".join(
+                f"{key}: checkpoint {saved.get(key)!r} vs now {current.get(key)!r}" for key in differing[:5]
+            )
+            raise ValueError(f"checkpoint {str(self)!r} was trained with a different model ({details})")
+
+    @staticmethod
+    def save_models(module: nn.Module, folder: str | os.PathLike) -> None:
+        """Write the trained module's diffusers models into ``folder`` (an EDM2 preconditioner in its own layout)."""
+        if isinstance(module, EDMPreconditioner):
+            module.save_pretrained(folder)
+        else:
+            module.save_pretrained(os.path.join(folder, "unet"))
+
+    @staticmethod
+    def load_models(module: nn.Module, folder: str | os.PathLike) -> None:
+        """Load the weights :meth:`save_models` wrote back into ``module`` in place (safetensors only)."""
+        if isinstance(module, EDMPreconditioner):
+            module.load_weights(folder)
+            return
+        path = os.path.join(folder, "unet")
+        if not os.path.isdir(path):
+            raise ValueError(f"checkpoint {str(folder)!r} has no unet/ folder")
+        module.load_state_dict(type(module).from_pretrained(path, low_cpu_mem_usage=False).state_dict())
+
+    @classmethod
+    def save(cls, accelerator, output_dir: str | os.PathLike, step: int, total_limit: int | None) -> "Checkpoint":
+        """``accelerator.save_state`` into ``checkpoint-<step>`` atomically, then rotate old checkpoints.
+
+        Every process writes its own state into a temporary folder; the main process adds ``training_state.json``,
+        swaps the folder into place (replacing one of the same step) and only then deletes the oldest checkpoints.
+        """
+        output_dir = Path(output_dir)
+        final = cls.at(output_dir, step)
+        tmp = output_dir / f".checkpoint-{step}.tmp"
+        if accelerator.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            state = {"global_step": step, "num_processes": accelerator.num_processes}
+            atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1))
+            old = None
+            if final.path.exists():
+                old = output_dir / f".checkpoint-{step}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final.path, old)
+            os.replace(tmp, final.path)
+            if old is not None:
+                shutil.rmtree(old)
+            cls.rotate(output_dir, total_limit)
+        accelerator.wait_for_everyone()
+        return final
