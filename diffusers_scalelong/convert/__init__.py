@@ -8,13 +8,37 @@
 - :mod:`.cli`: the ``scalelong-convert-edm2`` and ``scalelong-convert-uvit`` commands.
 """
 
+from .edm2_official import (
+    convert_edm2_pickle,
+    from_edm2_pickle,
+    preconditioner_from_edm2_pickle,
+    push_converted_edm2,
+    read_edm2_pickle,
+)
+from .edm2_snapshots import convert_edm2_snapshots
 from .edm2_state_dict import convert_edm2_state_dict, preconditioner_from_edm2_state_dict
 from .safe_pickle import RestrictedUnpickler, UnsafePickleError, load_restricted_pickle
+from .uvit_official import (
+    convert_uvit_checkpoint,
+    convert_uvit_state_dict,
+    official_vpsde_scheduler,
+    uvit_from_official,
+)
 
 __all__ = [
     "RestrictedUnpickler",
     "UnsafePickleError",
+    "convert_edm2_pickle",
+    "convert_edm2_snapshots",
     "convert_edm2_state_dict",
+    "convert_uvit_checkpoint",
+    "convert_uvit_state_dict",
+    "from_edm2_pickle",
     "load_restricted_pickle",
+    "official_vpsde_scheduler",
+    "preconditioner_from_edm2_pickle",
     "preconditioner_from_edm2_state_dict",
+    "push_converted_edm2",
+    "read_edm2_pickle",
+    "uvit_from_official",
 ]
