@@ -138,8 +138,10 @@ def build_network(ns, sd: dict[str, torch.Tensor], label_dim: int) -> torch.nn.M
     return root.eval()
 
 
-def write_official_pickle(ns, path, seed=0, latent=False):
+def write_official_pickle(ns, path, seed=0, latent=False, conditional=True):
     sd = official_state_dict(seed)
+    if not conditional:
+        del sd["unet.emb_label.weight"]
     data = ns.EasyDict(dataset_kwargs=ns.EasyDict(class_name="training.dataset.ImageFolderDataset", resolution=RES))
     data["loss_fn"] = ns.Loss()
     data["loss_fn"].__dict__.update(P_mean=-0.4, P_std=1.0, sigma_data=0.5)
@@ -150,7 +152,7 @@ def write_official_pickle(ns, path, seed=0, latent=False):
         encoder.bias = np.float32(0) - np.float32(VAE_MEAN) * scale
         encoder._init_kwargs = dict(final_std=FINAL_STD)
         data["encoder"] = encoder
-    data["ema"] = build_network(ns, sd, CLASSES)
+    data["ema"] = build_network(ns, sd, CLASSES if conditional else 0)
     with open(path, "wb") as handle:
         pickle.dump(data, handle)
     return {k: v.to(torch.float16).float() for k, v in sd.items()}
@@ -275,6 +277,19 @@ def test_pipeline_from_pickle_with_guide_samples_like_the_official_guided_sample
     # Eight network evaluations chain through the sampler; each agrees with the reference to ~1e-5 relative.
     torch.testing.assert_close(out, x, atol=2e-3, rtol=2e-3)
     assert (out - noise * 80).abs().max() > 1  # the sampler moved the sample
+
+
+def test_unconditional_guide_for_classifier_free_guidance(official, tmp_path):
+    official.write(tmp_path / "net.pkl")
+    official.write(tmp_path / "uncond.pkl", seed=1, conditional=False)
+    pipe = from_edm2_pickle(tmp_path / "net.pkl", guide=tmp_path / "uncond.pkl", guidance_scale=1.4)
+    assert pipe.unet.config.num_class_embeds == CLASSES and pipe.guide_unet.config.num_class_embeds is None
+    kwargs = dict(class_labels=[1, 2], num_inference_steps=2, output_type="latent")
+    guided = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+    plain = pipe(generator=torch.Generator().manual_seed(0), guidance_scale=1.0, **kwargs).images
+    assert (guided - plain).abs().max() > 1e-2  # the default weight 1.4 is applied when the call gives none
+    pipe.save_pretrained(tmp_path / "saved")
+    assert EDM2Pipeline.from_pretrained(tmp_path / "saved").config.default_guidance_scale == 1.4
 
 
 def test_latent_pickle_needs_the_vae_and_keeps_the_encoders_normalisation(official, tmp_path):
