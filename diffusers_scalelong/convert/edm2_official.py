@@ -119,8 +119,8 @@ def read_edm2_pickle(path: str | os.PathLike) -> EDM2NetworkPickle:
 def _jsonable(value: Any) -> Any:
     """Plain JSON data from pickled values (numpy to Python numbers and lists; anything else is dropped)."""
     if isinstance(value, dict):
-        items = {str(k): _jsonable(v) for k, v in value.items()}
-        return {k: v for k, v in items.items() if v is not None or value.get(k) is None}
+        converted = ((str(key), item, _jsonable(item)) for key, item in value.items())
+        return {key: plain for key, item, plain in converted if plain is not None or item is None}
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
     if isinstance(value, np.ndarray | np.generic):
