@@ -88,11 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def probe_step_rate(threads: int, seconds: float = 4.0, max_steps: int = 3) -> float:
+def probe_step_rate(threads: int, slower_than: float = 0.0, seconds: float = 4.0, max_steps: int = 3) -> float:
     """Training steps per second of the demo network with ``threads`` torch threads, measured for a few seconds.
 
     One warm-up step, then up to ``max_steps`` timed steps (forward, backward, Adam) or ``seconds``, whichever
-    comes first, so a setting that stalls on a busy machine costs little to rule out.
+    comes first. A setting whose warm-up step is already more than twice as slow as a rate of ``slower_than`` is
+    ruled out at once (on a busy machine a multi-threaded step can take tens of seconds).
     """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -103,24 +104,29 @@ def probe_step_rate(threads: int, seconds: float = 4.0, max_steps: int = 3) -> f
     optimizer = torch.optim.Adam(unet.parameters(), lr=1e-4)
     images = torch.randn(32, 1, 28, 28)
 
-    def step() -> None:
+    def timed_step() -> float:
+        started = time.perf_counter()
         unet(images, torch.randn(32)).sample.square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
 
-    step()
-    started, steps = time.perf_counter(), 0
-    while steps < max_steps and time.perf_counter() - started < seconds:
-        step()
-        steps += 1
-    return steps / (time.perf_counter() - started)
+    warm_up = timed_step()
+    if slower_than and warm_up > 2 / slower_than:
+        return 1 / warm_up
+    durations: list[float] = []
+    while len(durations) < max_steps and sum(durations) < seconds:
+        durations.append(timed_step())
+    return len(durations) / sum(durations)
 
 
 def plan_training(args: argparse.Namespace) -> int:
     """Choose the torch threads (unless given) and the number of training steps from measured throughput."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     candidates = [args.threads] if args.threads else sorted({1, cores})
-    rates = {threads: probe_step_rate(threads) for threads in candidates}
+    rates: dict[int, float] = {}
+    for threads in candidates:
+        rates[threads] = probe_step_rate(threads, slower_than=max(rates.values(), default=0.0))
     args.threads = max(rates, key=rates.get)
     torch.set_num_threads(args.threads)
     rate = rates[args.threads]
