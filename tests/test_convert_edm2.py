@@ -249,6 +249,8 @@ def test_pipeline_from_pickle_with_guide_samples_like_the_official_guided_sample
     assert pipe.config.default_guidance_scale == 1.7 and pipe.guide_unet is not pipe.unet
     with pytest.raises(ValueError, match="default_guidance_scale=1.7 needs a guide_unet"):
         EDM2Pipeline(unet=pipe.unet, scheduler=pipe.scheduler, default_guidance_scale=1.7)
+    with pytest.raises(ValueError, match="vae_pixel_range must be"):
+        EDM2Pipeline(unet=pipe.unet, scheduler=pipe.scheduler, vae_pixel_range=(1.0, 0.0))
     scheduler = pipe.scheduler.config
     assert (scheduler.sigma_min, scheduler.sigma_max, scheduler.rho, scheduler.S_churn) == (0.002, 80.0, 7.0, 0.0)
 
@@ -313,16 +315,17 @@ def test_latent_pickle_needs_the_vae_and_keeps_the_encoders_normalisation(offici
     # float32 scale/bias of the pickle turned back into mean/std: float32 rounding.
     np.testing.assert_allclose(config.latents_mean, VAE_MEAN, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(config.latents_std, VAE_STD, rtol=1e-6)
-    assert config.scaling_factor == FINAL_STD
+    assert config.scaling_factor == FINAL_STD and pipe.config.vae_pixel_range == [0.0, 1.0]
 
-    # Decoding inverts the official encoder's x = z * scale + bias: z = (x - bias) / scale.
+    # Decoding inverts the official encoder's x = z * scale + bias: z = (x - bias) / scale, and reads the VAE's
+    # output as pixels in [0, 1] (the official encoder feeds the VAE pixels / 255).
     kwargs = dict(class_labels=[1, 2], num_inference_steps=2)
     latents = pipe(generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs).images
     images = pipe(generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs).images
     scale = torch.tensor(FINAL_STD / np.float32(VAE_STD)).reshape(1, -1, 1, 1)
     bias = torch.tensor(-np.float32(VAE_MEAN) * (np.float32(FINAL_STD) / np.float32(VAE_STD))).reshape(1, -1, 1, 1)
     with torch.no_grad():
-        expected = (vae.decode((latents - bias) / scale).sample / 2 + 0.5).clamp(0, 1)
+        expected = vae.decode((latents - bias) / scale).sample.clamp(0, 1)
     torch.testing.assert_close(images, expected, atol=1e-5, rtol=1e-5)  # float32 vs float64 statistics
     official.write(tmp_path / "pixel.pkl")
     with pytest.raises(ValueError, match="pixel model"):

@@ -66,8 +66,10 @@ def test_call_signature_has_diffusers_names():
         "vae",
         "guide_unet",
         "default_guidance_scale",
+        "vae_pixel_range",
     }
     assert inspect.signature(EDM2Pipeline.__init__).parameters["default_guidance_scale"].default == 1.0
+    assert inspect.signature(EDM2Pipeline.__init__).parameters["vae_pixel_range"].default == (-1.0, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ The UNet's config comes from the tensor shapes and the recorded attributes of th
 head, dropout, balances, activation clipping); the constructor arguments the pickle records are cross-checked.
 Latent models get the user's VAE (``stabilityai/sd-vae-ft-mse`` for the released models) with the pickle's latent
 normalisation ``x = z * scale + bias`` stored as ``latents_mean = -bias / scale``, ``latents_std =
-final_std / scale``, ``scaling_factor = final_std``. The scheduler is ``EDMHeunScheduler`` with EDM2's sampler
+final_std / scale``, ``scaling_factor = final_std``, and the pipeline reads the VAE's images as [0, 1], as the
+official encoder does (it encodes pixels / 255 and decodes to [0, 1]). The scheduler is ``EDMHeunScheduler`` with EDM2's sampler
 settings (32 steps, sigma in [0.002, 80], rho 7, deterministic).
 
 The released models are licensed CC BY-NC-SA 4.0 by NVIDIA; converted weights stay under that license, and the
@@ -55,6 +56,8 @@ EDM2_LICENSE_URL = "https://creativecommons.org/licenses/by-nc-sa/4.0/"
 SOURCE_METADATA = "edm2_source.json"
 #: EDM2's sampler (``edm_sampler`` defaults of the official generation script).
 EDM2_SAMPLER = dict(num_inference_steps=32, sigma_min=0.002, sigma_max=80.0, rho=7.0)
+#: The official latent models feed the VAE pixels / 255 and read its output as [0, 1] (``StabilityVAEEncoder``).
+EDM2_VAE_PIXEL_RANGE = (0.0, 1.0)
 _OFFICIAL_NAME = re.compile(r"^(?P<prefix>.+)-(?P<kimg>\d+)-(?P<sigma_rel>\d+\.\d+)\.pkl$")
 
 
@@ -284,6 +287,7 @@ def _pipeline(
         vae=_load_vae(vae, source.encoder) if vae is not None else None,
         guide_unet=guide_unet,
         default_guidance_scale=1.0 if guidance_scale is None else float(guidance_scale),
+        vae_pixel_range=EDM2_VAE_PIXEL_RANGE if vae is not None else (-1.0, 1.0),
     )
     return pipeline, uncertainty, sigma_data
 

@@ -74,6 +74,9 @@ class EDM2Pipeline(DiffusionPipeline):
             (autoguidance).
         default_guidance_scale: the guidance weight w used when a call gives none (saved in ``model_index.json``,
             e.g. the weight a released model pair was tuned with); values other than 1 need `guide_unet`.
+        vae_pixel_range: the pixel range ``(low, high)`` of the VAE's images: ``(-1, 1)`` (diffusers' convention,
+            default) or ``(0, 1)`` (EDM2's released latent models, whose encoder saw pixels / 255); decoded images
+            are mapped from it to [-1, 1].
     """
 
     model_cpu_offload_seq = "guide_unet->unet->vae"
@@ -87,13 +90,17 @@ class EDM2Pipeline(DiffusionPipeline):
         vae: AutoencoderKL | None = None,
         guide_unet: ModelMixin | None = None,
         default_guidance_scale: float = 1.0,
+        vae_pixel_range: Sequence[float] = (-1.0, 1.0),
     ) -> None:
         super().__init__()
         self._check_components(unet, scheduler, vae, guide_unet)
         if default_guidance_scale != 1.0 and guide_unet is None:
             raise ValueError(f"default_guidance_scale={default_guidance_scale} needs a guide_unet")
+        low, high = (float(v) for v in vae_pixel_range)
+        if not low < high:
+            raise ValueError(f"vae_pixel_range must be (low, high) with low < high, got {tuple(vae_pixel_range)}")
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae, guide_unet=guide_unet)
-        self.register_to_config(default_guidance_scale=float(default_guidance_scale))
+        self.register_to_config(default_guidance_scale=float(default_guidance_scale), vae_pixel_range=[low, high])
         vae_scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.image_processor = VaeImageProcessor(vae_scale_factor=vae_scale, do_normalize=True)
 
@@ -176,7 +183,8 @@ class EDM2Pipeline(DiffusionPipeline):
         return unet(model_input.to(unet.dtype), t, **kwargs).sample.to(torch.float32)
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images in [-1, 1] from normalised latents (``z = x * std / scaling_factor + mean``)."""
+        """Images in [-1, 1] from normalised latents (``z = x * std / scaling_factor + mean``), the VAE's output
+        mapped from ``vae_pixel_range`` to [-1, 1]."""
         config = self.vae.config
         if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
             shape = (1, -1, 1, 1)
@@ -185,7 +193,9 @@ class EDM2Pipeline(DiffusionPipeline):
             z = latents * std / config.scaling_factor + mean
         else:
             z = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
-        return self.vae.decode(z.to(self.vae.dtype)).sample
+        images = self.vae.decode(z.to(self.vae.dtype)).sample
+        low, high = self.config.get("vae_pixel_range", (-1.0, 1.0))
+        return images if (low, high) == (-1.0, 1.0) else (images - low) * (2 / (high - low)) - 1
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> EDM2Pipeline:
