@@ -214,8 +214,8 @@ def _corrupt(kind):
     [
         ("none", [0.0], None, "sigma_rel"),
         ("none", [0.075, 0.2887], None, "sigma_rel"),
-        ("none", [0.075], 130, "later than the last snapshot"),
-        ("none", [0.075], 65, "no snapshot at target time 65"),
+        ("none", [0.075], 130, "later than the newest snapshot"),
+        ("none", [0.075], 65, "no snapshot at target_time=65"),
         ("truncated", [0.075], None, "truncated or corrupt"),
         ("corrupt", [0.075], None, "truncated or corrupt"),
         ("no metadata", [0.075], None, "no 'phema' metadata"),
@@ -306,7 +306,7 @@ def test_cli_dry_run_and_errors(trained, tmp_path, capsys):
     # bad input: a clear message and exit status 2, nothing written
     for args, message in [
         (["--sigma_rel", "0.3"], "sigma_rel"),
-        (["--sigma_rel", "0.075", "--target_step", "500"], "later than the last snapshot"),
+        (["--sigma_rel", "0.075", "--target_step", "500"], "later than the newest snapshot"),
         (["--sigma_rel", "0.075", "--dtype", "int8"], "dtype"),
     ]:
         with pytest.raises(SystemExit) as exit_info:

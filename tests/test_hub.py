@@ -13,8 +13,8 @@ from diffusers import UNet2DModel
 from huggingface_hub import HfApi, ModelCard, hf_hub_download
 from huggingface_hub.errors import RepositoryNotFoundError
 
-from diffusers_scalelong import hub
 from diffusers_scalelong.ema import PowerFunctionEMA, list_snapshots, reconstruct_ema, save_reconstructed_models
+from diffusers_scalelong.ema import hub_transfer as hub
 
 SIGMA_RELS = (0.05, 0.10)
 TIMES = (10, 20, 30, 40)

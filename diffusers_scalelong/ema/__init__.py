@@ -10,9 +10,20 @@ Typical use::
             ema.save_snapshots("phema", accelerator=accelerator)
     models = reconstruct_ema("phema", target_sigma_rels=[0.07, 0.12])
 
-Snapshot file format and naming: see ``diffusers_scalelong.ema.snapshots``.
+Snapshot file format and naming: see ``diffusers_scalelong.ema.snapshots``. Modules: ``profiles`` (the power
+profiles and the least-squares solve), ``tracker`` (:class:`PowerFunctionEMA`), ``snapshots`` (files and their one
+header reader), ``reconstruct`` (target-time selection, plan, streaming reconstruction), ``hub_transfer`` (snapshot
+sets and reconstructed models through the Hub), ``cli`` (``scalelong-reconstruct-ema``) and ``plot``.
 """
 
+from .hub_transfer import (
+    RemoteSnapshot,
+    list_remote_snapshots,
+    pull_snapshots,
+    push_reconstruction,
+    push_snapshots,
+    reconstruct_from_hub,
+)
 from .profiles import (
     MAX_SIGMA_REL,
     gamma_to_sigma_rel,
@@ -25,25 +36,43 @@ from .reconstruct import (
     plan_reconstruction,
     reconstruct_ema,
     resolve_model_class,
+    save_planned_models,
     save_reconstructed_models,
+    select_for_target,
 )
-from .snapshots import SnapshotInfo, list_snapshots, parse_snapshot_filename, read_snapshot_info, snapshot_filename
+from .snapshots import (
+    SnapshotInfo,
+    list_snapshots,
+    parse_snapshot_filename,
+    parse_snapshot_metadata,
+    read_snapshot_info,
+    snapshot_filename,
+)
 from .tracker import PowerFunctionEMA, unwrap_model
 
 __all__ = [
     "MAX_SIGMA_REL",
     "PowerFunctionEMA",
     "ReconstructionPlan",
+    "RemoteSnapshot",
     "SnapshotInfo",
     "gamma_to_sigma_rel",
+    "list_remote_snapshots",
     "list_snapshots",
     "parse_snapshot_filename",
+    "parse_snapshot_metadata",
     "plan_reconstruction",
     "profile_inner_products",
+    "pull_snapshots",
+    "push_reconstruction",
+    "push_snapshots",
     "read_snapshot_info",
     "reconstruct_ema",
+    "reconstruct_from_hub",
     "resolve_model_class",
+    "save_planned_models",
     "save_reconstructed_models",
+    "select_for_target",
     "sigma_rel_to_gamma",
     "snapshot_filename",
     "solve_profile_coefficients",

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from .plot import plot_reconstruction
-from .reconstruct import plan_reconstruction, save_reconstructed_models
+from .reconstruct import plan_reconstruction, save_planned_models
 from .snapshots import list_snapshots, storage_dtype
 
 
@@ -72,11 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {args.plot}")
         if args.dry_run:
             return 0
-        folders = save_reconstructed_models(
-            snapshots,
+        folders = save_planned_models(
+            plan,
             args.output_dir,
-            args.sigma_rel,
-            args.target_step,
             dtype=args.dtype,
             accumulate_dtype=args.accumulate_dtype,
             progress=True,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_path
 from .reconstruct import ReconstructionPlan
 
 
@@ -36,8 +36,6 @@ def plot_reconstruction(plan: ReconstructionPlan, path: str | os.PathLike) -> No
     ax.set_title("post-hoc EMA: target (dashed) and reconstruction (solid)")
     ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_path(path) as temporary:
+        fig.savefig(temporary, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)

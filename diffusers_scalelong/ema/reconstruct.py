@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from .snapshots import SnapshotInfo, atomic_save_file, list_snapshots, snapshot_
 #: Only classes from these packages are instantiated from snapshot metadata.
 ALLOWED_MODEL_PACKAGES = ("diffusers", "diffusers_scalelong")
 ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,26 @@ def _as_snapshots(snapshots: str | os.PathLike | Sequence[SnapshotInfo]) -> list
     return snapshots
 
 
+def select_for_target(snapshots: Sequence[T], target_time: int | None = None) -> tuple[int, list[T]]:
+    """The one choice of snapshots for a reconstruction at ``target_time``: ``(target_time, those with 0 < time <=
+    target_time)``, for anything with a ``.time`` (local ``SnapshotInfo`` or remote index entries).
+
+    ``target_time`` must be one of the snapshot times (default: the newest); raises ``ValueError`` otherwise.
+    """
+    times = sorted({snapshot.time for snapshot in snapshots if snapshot.time > 0})
+    if not times:
+        raise ValueError("all snapshots are at time 0; nothing to reconstruct from")
+    if target_time is None:
+        target_time = times[-1]
+    if isinstance(target_time, bool) or not isinstance(target_time, (int, np.integer)) or target_time <= 0:
+        raise ValueError(f"target_time must be a positive integer, got {target_time!r}")
+    if target_time > times[-1]:
+        raise ValueError(f"target_time={target_time} is later than the newest snapshot (time {times[-1]})")
+    if target_time not in times:
+        raise ValueError(f"no snapshot at target_time={target_time}; snapshot times: {times}")
+    return int(target_time), [snapshot for snapshot in snapshots if 0 < snapshot.time <= target_time]
+
+
 def plan_reconstruction(
     snapshots: str | os.PathLike | Sequence[SnapshotInfo],
     target_sigma_rels: Sequence[float],
@@ -108,25 +129,14 @@ def plan_reconstruction(
         raise ValueError("give at least one target sigma_rel")
     target_gammas = tuple(sigma_rel_to_gamma(s) for s in target_sigma_rels)
     _check_consistent(snapshots)
-    times = sorted({info.time for info in snapshots if info.time > 0})
-    if not times:
-        raise ValueError("all snapshots are at time 0; nothing to reconstruct from")
-    if target_time is None:
-        target_time = times[-1]
-    if isinstance(target_time, bool) or not isinstance(target_time, (int, np.integer)) or target_time <= 0:
-        raise ValueError(f"target time must be a positive integer, got {target_time!r}")
-    if target_time > times[-1]:
-        raise ValueError(f"target time {target_time} is later than the last snapshot (time {times[-1]})")
-    if target_time not in times:
-        raise ValueError(f"no snapshot at target time {target_time}; snapshot times: {times}")
-    used = tuple(info for info in snapshots if 0 < info.time <= target_time)
+    target_time, used = select_for_target(snapshots, target_time)
     coefficients, errors = solve_profile_coefficients(
         [info.time for info in used],
         [info.gamma for info in used],
         [target_time] * len(target_sigma_rels),
         target_gammas,
     )
-    return ReconstructionPlan(int(target_time), target_sigma_rels, target_gammas, used, coefficients, errors)
+    return ReconstructionPlan(target_time, target_sigma_rels, target_gammas, tuple(used), coefficients, errors)
 
 
 def _accumulate(
@@ -227,6 +237,21 @@ def save_reconstructed_models(
     each folder appears at once (renamed from a temporary folder).
     """
     plan = plan_reconstruction(snapshots, target_sigma_rels, target_time)
+    return save_planned_models(
+        plan, output_dir, dtype=dtype, accumulate_dtype=accumulate_dtype, progress=progress, overwrite=overwrite
+    )
+
+
+def save_planned_models(
+    plan: ReconstructionPlan,
+    output_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    accumulate_dtype: torch.dtype | str = torch.float32,
+    progress: bool = False,
+    overwrite: bool = False,
+) -> list[Path]:
+    """:func:`save_reconstructed_models` for a plan already solved (e.g. one that was printed first)."""
     dtype, accumulate_dtype = storage_dtype(dtype), _accumulate_dtype(accumulate_dtype)
     info = plan.snapshots[-1]
     model_class = resolve_model_class(info.model_class) if info.model_class else None

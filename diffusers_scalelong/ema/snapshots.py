@@ -147,6 +147,34 @@ def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike, 
         save_file(tensors, str(temporary), metadata=metadata)
 
 
+def parse_snapshot_metadata(header: dict[str, str], where: str) -> dict[str, Any]:
+    """The one reader of a snapshot's ``"phema"`` header metadata (from a local file or a remote header read).
+
+    Returns the fields of the format above with their types; raises ``ValueError`` naming ``where``.
+    """
+    if METADATA_KEY not in header:
+        raise ValueError(f"snapshot file {where} has no '{METADATA_KEY}' metadata (not written by PowerFunctionEMA?)")
+    try:
+        meta = json.loads(header[METADATA_KEY])
+        if meta.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"format is {meta.get('format')!r}")
+        if int(meta["format_version"]) > SNAPSHOT_FORMAT_VERSION:
+            raise ValueError(f"format_version {meta['format_version']} is newer than this library supports")
+        return {
+            "time": int(meta["time"]),
+            "time_unit": str(meta["time_unit"]),
+            "sigma_rel": float(meta["sigma_rel"]),
+            "gamma": float(meta["gamma"]),
+            "dtype": str(meta["dtype"]),
+            "copied_keys": tuple(meta["copied_keys"]),
+            "model_class": meta["model_class"],
+            "model_config": meta["model_config"],
+            "library_version": str(meta["library_version"]),
+        }
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"snapshot file {where} has invalid '{METADATA_KEY}' metadata: {error!r}") from None
+
+
 def read_snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
     """Read a snapshot's header (metadata and tensor shapes) without loading tensor data."""
     path = Path(path)
@@ -156,29 +184,7 @@ def read_snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as error:  # safetensors raises its own error types for truncated/corrupt headers
         raise ValueError(f"snapshot file {path} is truncated or corrupt: {error}") from None
-    if METADATA_KEY not in header:
-        raise ValueError(f"snapshot file {path} has no '{METADATA_KEY}' metadata (not written by PowerFunctionEMA?)")
-    try:
-        meta = json.loads(header[METADATA_KEY])
-        if meta.get("format") != SNAPSHOT_FORMAT:
-            raise ValueError(f"format is {meta.get('format')!r}")
-        if int(meta["format_version"]) > SNAPSHOT_FORMAT_VERSION:
-            raise ValueError(f"format_version {meta['format_version']} is newer than this library supports")
-        return SnapshotInfo(
-            path=path,
-            time=int(meta["time"]),
-            time_unit=str(meta["time_unit"]),
-            sigma_rel=float(meta["sigma_rel"]),
-            gamma=float(meta["gamma"]),
-            dtype=str(meta["dtype"]),
-            copied_keys=tuple(meta["copied_keys"]),
-            model_class=meta["model_class"],
-            model_config=meta["model_config"],
-            library_version=str(meta["library_version"]),
-            shapes=shapes,
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"snapshot file {path} has invalid '{METADATA_KEY}' metadata: {error!r}") from None
+    return SnapshotInfo(path=path, shapes=shapes, **parse_snapshot_metadata(header, str(path)))
 
 
 def list_snapshots(folder: str | os.PathLike) -> list[SnapshotInfo]:

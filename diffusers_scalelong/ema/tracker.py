@@ -102,6 +102,8 @@ class PowerFunctionEMA:
         self.copied_keys = [k for k in live if k not in set(self.averaged_keys)]
 
         def new_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            if _is_sharded(t):  # FSDP2: average the local shard, with the parameter's placement
+                return torch.zeros_like(t, dtype=dtype)
             return torch.zeros(t.shape, dtype=dtype, device=device if device is not None else t.device)
 
         self.averages: list[dict[str, torch.Tensor]] = [
@@ -245,7 +247,8 @@ class PowerFunctionEMA:
         """Write every tracked profile at the last update time as a snapshot file (see ``snapshots``).
 
         ``step`` (optional) must equal the time of the last ``update``. Only the main process writes: pass
-        ``accelerator`` or ``is_main_process``. ``dtype`` (``float32``/``float16``/``bfloat16``) sets the
+        ``accelerator`` or ``is_main_process``. Averages of sharded (FSDP2) parameters are tracked shard by shard
+        and gathered here, once per snapshot, so every process must call this. ``dtype`` (``float32``/``float16``/``bfloat16``) sets the
         storage precision. Returns the paths written (empty on other processes).
         """
         from .snapshots import write_snapshot
@@ -258,12 +261,15 @@ class PowerFunctionEMA:
             )
         if is_main_process is None:
             is_main_process = True if accelerator is None else bool(accelerator.is_main_process)
+        states = [self.averaged_state_dict(sigma_rel) for sigma_rel in self.sigma_rels]
+        if any(_is_sharded(t) for t in states[0].values()):  # every process gathers, once per snapshot
+            states = [{k: t.full_tensor() if _is_sharded(t) else t for k, t in state.items()} for state in states]
         if not is_main_process:
             return []
         return [
             write_snapshot(
                 folder,
-                self.averaged_state_dict(sigma_rel),
+                state,
                 time=self.last_step,
                 sigma_rel=sigma_rel,
                 gamma=gamma,
@@ -273,8 +279,17 @@ class PowerFunctionEMA:
                 model_config=self.model_config,
                 dtype=dtype,
             )
-            for sigma_rel, gamma in zip(self.sigma_rels, self.gammas, strict=True)
+            for state, sigma_rel, gamma in zip(states, self.sigma_rels, self.gammas, strict=True)
         ]
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    """A ``DTensor`` (a parameter sharded by FSDP2 / tensor parallelism)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _refuse_training_forward(module: nn.Module, args: Any) -> None:

@@ -1,4 +1,4 @@
-"""Pipelines: EDM2Pipeline and the Hub-native folder layout.
+"""Pipelines: EDM2Pipeline (the Hub-native folder layout lives in :mod:`diffusers_scalelong.hub`).
 
 ``DiffusionPipeline.from_pretrained(folder)`` looks a pipeline's ``_class_name`` up on the ``diffusers`` module, so
 importing this package also makes ``diffusers.EDM2Pipeline`` available (unless diffusers defines one itself).
@@ -7,13 +7,13 @@ importing this package also makes ``diffusers.EDM2Pipeline`` available (unless d
 import diffusers
 from diffusers import DiffusionPipeline  # noqa: F401  (base class, for diffusers' loader)
 
+from ..hub.layout import model_card, push_pipeline_to_hub, write_hub_layout
 from .edm2_pipeline import (
     EDM2_SD_VAE_LATENTS_MEAN,
     EDM2_SD_VAE_LATENTS_STD,
     EDM2Pipeline,
     set_edm2_latent_scaling,
 )
-from .hub_layout import model_card, push_pipeline_to_hub, write_hub_layout
 
 if not hasattr(diffusers, "EDM2Pipeline"):
     diffusers.EDM2Pipeline = EDM2Pipeline

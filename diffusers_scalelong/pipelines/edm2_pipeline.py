@@ -231,7 +231,7 @@ class EDM2Pipeline(DiffusionPipeline):
         ``DiffusionPipeline.from_pretrained(repo_id, trust_remote_code=True)``; returns the commit URL."""
         if create_pr:
             raise ValueError("create_pr is not supported: push_to_hub commits to the main branch")
-        from .hub_layout import push_pipeline_to_hub
+        from ..hub.layout import push_pipeline_to_hub
 
         return push_pipeline_to_hub(
             self,

@@ -1,4 +1,4 @@
-"""Share post-hoc EMA snapshot sets and reconstructed models through the Hugging Face Hub.
+"""Post-hoc EMA through the Hugging Face Hub: share snapshot sets and reconstructed models.
 
 Repository layout written by :func:`push_snapshots` (``path_in_repo`` defaults to ``"phema"``)::
 
@@ -40,8 +40,10 @@ from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData, snapshot_download
 
-from .ema import SnapshotInfo, list_snapshots, read_snapshot_info, sigma_rel_to_gamma
-from .ema.snapshots import FILENAME_PATTERN, METADATA_KEY, SNAPSHOT_FORMAT
+from ..hub.cards import build_card, markdown_table
+from .profiles import sigma_rel_to_gamma
+from .reconstruct import select_for_target
+from .snapshots import FILENAME_PATTERN, SnapshotInfo, list_snapshots, parse_snapshot_metadata, read_snapshot_info
 
 INDEX_FILENAME = "phema-index.json"
 PROVENANCE_FILENAME = "phema.json"
@@ -63,6 +65,9 @@ class RemoteSnapshot:
     dtype: str
     model_class: str | None
     model_config: dict[str, Any] | None
+
+
+_REMOTE_FIELDS = ("time", "time_unit", "sigma_rel", "gamma", "dtype", "model_class", "model_config")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,24 +190,6 @@ def list_remote_snapshots(
     return _list_at_commit(api, repo_id, commit, _clean_prefix(path_in_repo), cache_dir)
 
 
-def select_snapshots(snapshots: Sequence[RemoteSnapshot], target_time: int | None = None) -> list[RemoteSnapshot]:
-    """The snapshots a reconstruction at ``target_time`` uses: those with ``0 < time <= target_time``.
-
-    ``target_time`` must be one of the snapshot times (default: the newest), as ``reconstruct_ema`` requires; it
-    is checked here so that a bad target fails before anything is downloaded.
-    """
-    times = sorted({snapshot.time for snapshot in snapshots if snapshot.time > 0})
-    if not times:
-        raise ValueError("no snapshots after time 0 to reconstruct from")
-    if target_time is None:
-        target_time = times[-1]
-    if target_time > times[-1]:
-        raise ValueError(f"target_time={target_time} is later than the newest snapshot (time {times[-1]})")
-    if target_time not in times:
-        raise ValueError(f"no snapshot at target_time={target_time}; snapshot times: {times}")
-    return [snapshot for snapshot in snapshots if 0 < snapshot.time <= target_time]
-
-
 def pull_snapshots(
     repo_id: str,
     *,
@@ -222,7 +209,7 @@ def pull_snapshots(
     api = HfApi(endpoint=endpoint, token=token)
     commit = api.repo_info(repo_id, revision=revision).sha
     prefix = _clean_prefix(path_in_repo)
-    chosen = select_snapshots(_list_at_commit(api, repo_id, commit, prefix, cache_dir), target_time)
+    _, chosen = select_for_target(_list_at_commit(api, repo_id, commit, prefix, cache_dir), target_time)
     root = snapshot_download(
         repo_id,
         revision=commit,
@@ -263,7 +250,7 @@ def reconstruct_from_hub(
     :func:`push_reconstruction`). ``reconstruct_kwargs`` (``dtype``, ``accumulate_dtype``, ``progress``, ...) are
     passed on.
     """
-    from .ema import reconstruct_ema, save_reconstructed_models
+    from .reconstruct import reconstruct_ema, save_reconstructed_models
 
     snapshots = pull_snapshots(
         repo_id,
@@ -303,14 +290,8 @@ def _entry_from_info(info) -> RemoteSnapshot:
 
 
 def _entry_from_header(filename: str, header: dict[str, str], where: str) -> RemoteSnapshot:
-    try:
-        meta = json.loads(header[METADATA_KEY])
-        if meta.get("format") != SNAPSHOT_FORMAT:
-            raise ValueError(f"format is {meta.get('format')!r}")
-        fields = {name: meta[name] for name in RemoteSnapshot.__dataclass_fields__ if name != "filename"}
-        return RemoteSnapshot(filename=filename, **fields)
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{where} is not a post-hoc EMA snapshot (bad '{METADATA_KEY}' metadata: {error!r})") from None
+    meta = parse_snapshot_metadata(header, where)
+    return RemoteSnapshot(filename=filename, **{name: meta[name] for name in _REMOTE_FIELDS})
 
 
 def _index_bytes(entries: Sequence[RemoteSnapshot]) -> bytes:
@@ -349,7 +330,7 @@ def _list_at_commit(
     if not files:
         raise ValueError(
             f"{repo_id}@{commit[:12]} has no post-hoc EMA snapshots (phema-*.safetensors) under "
-            f"'{prefix or '/'}'; push them with diffusers_scalelong.hub.push_snapshots"
+            f"'{prefix or '/'}'; push them with diffusers_scalelong.ema.hub_transfer.push_snapshots"
         )
     has_index = f"{prefix}{INDEX_FILENAME}" in repo_files
     indexed = (
@@ -364,69 +345,23 @@ def _list_at_commit(
     return sorted(snapshots, key=lambda entry: (entry.time, entry.sigma_rel))
 
 
-_SNAPSHOT_CARD = """---
-{{ card_data }}
----
-
-# Post-hoc EMA snapshots
-
-{{ entries | length }} power-function EMA snapshots of {{ model_class }} (EDM2, arXiv 2312.02696), tracked with
-sigma_rel {{ sigma_rels | join(", ") }} at {{ num_times }} times ({{ first_time }} to {{ last_time }} {{ time_unit }}).
-Any EMA length in between can be reconstructed after training; only the snapshots up to the chosen time are
-downloaded:
-
-```python
-from diffusers_scalelong.hub import reconstruct_from_hub
-
-models = reconstruct_from_hub("{{ repo_id }}", target_sigma_rels=[0.08], path_in_repo="{{ path_in_repo }}")
-```
-
-| file | time | sigma_rel | gamma | dtype |
-|---|---|---|---|---|
-{% for entry in entries -%}
-| `{{ entry.filename }}` | {{ entry.time }} | {{ entry.sigma_rel }} | {{ "%.4f" | format(entry.gamma) }} | {{ entry.dtype }} |
-{% endfor %}"""
-
-_RECONSTRUCTION_CARD = """---
-{{ card_data }}
----
-
-# {{ class_name }} with post-hoc EMA sigma_rel = {{ record.sigma_rel }}
-
-Weights reconstructed with post-hoc EMA (EDM2, arXiv 2312.02696)
-{%- if source_repo %} from the snapshots in `{{ source_repo }}`{% endif %}
-{%- if record.time is defined %} at time {{ record.time }} {{ record.time_unit }}{% endif %}: the power-function
-average with relative width sigma_rel = {{ record.sigma_rel }} (exponent gamma = {{ "%.4f" | format(record.gamma) }}).
-{%- if record.snapshots is defined %}
-It combines {{ record.snapshots | length }} snapshots; the reconstructed averaging profile differs from the exact one
-by {{ "%.2e" | format(record.relative_profile_error) }} (relative L2).
-{%- endif %}
-
-```python
-{{ import_lines }}
-
-model = {{ class_name }}.from_pretrained("{{ repo_id }}"{{ subfolder_arg }})
-```
-"""
-
-
 def _snapshot_card(entries: Sequence[RemoteSnapshot], repo_id: str, prefix: str) -> ModelCard:
     sigma_rels = sorted({entry.sigma_rel for entry in entries})
     times = sorted({entry.time for entry in entries})
     data = ModelCardData(tags=TAGS, phema_sigma_rels=sigma_rels, phema_times=[times[0], times[-1]])
-    return ModelCard.from_template(
-        data,
-        template_str=_SNAPSHOT_CARD,
-        entries=entries,
-        model_class=entries[-1].model_class or "the model",
-        sigma_rels=sigma_rels,
-        num_times=len(times),
-        first_time=times[0],
-        last_time=times[-1],
-        time_unit=entries[-1].time_unit,
-        repo_id=repo_id,
-        path_in_repo=prefix.rstrip("/"),
+    summary = (
+        f"{len(entries)} power-function EMA snapshots of {entries[-1].model_class or 'the model'} (EDM2, arXiv "
+        f"2312.02696), tracked with sigma_rel {', '.join(str(s) for s in sigma_rels)} at {len(times)} times "
+        f"({times[0]} to {times[-1]} {entries[-1].time_unit}). Any EMA length in between can be reconstructed after "
+        "training; only the snapshots up to the chosen time are downloaded."
     )
+    load_code = (
+        "from diffusers_scalelong.ema import reconstruct_from_hub\n\n"
+        f'models = reconstruct_from_hub("{repo_id}", target_sigma_rels=[0.08], path_in_repo="{prefix.rstrip("/")}")'
+    )
+    rows = [(f"`{e.filename}`", e.time, e.sigma_rel, f"{e.gamma:.4f}", e.dtype) for e in entries]
+    table = markdown_table(("file", "time", "sigma_rel", "gamma", "dtype"), rows)
+    return build_card(data, "Post-hoc EMA snapshots", summary, load_code, [("Snapshots", table)])
 
 
 def _reconstruction_card(
@@ -446,6 +381,20 @@ def _reconstruction_card(
         ema_gamma=round(record["gamma"], 6),
         **{key: value for key, value in extra.items() if value is not None},
     )
+    summary = "Weights reconstructed with post-hoc EMA (EDM2, arXiv 2312.02696)"
+    if source_repo:
+        summary += f" from the snapshots in `{source_repo}`"
+    if "time" in record:
+        summary += f" at time {record['time']} {record['time_unit']}"
+    summary += (
+        f": the power-function average with relative width sigma_rel = {record['sigma_rel']} "
+        f"(exponent gamma = {record['gamma']:.4f})."
+    )
+    if "snapshots" in record:
+        summary += (
+            f" It combines {len(record['snapshots'])} snapshots; the reconstructed averaging profile differs from the "
+            f"exact one by {record['relative_profile_error']:.2e} (relative L2)."
+        )
     if hasattr(diffusers, class_name):
         import_lines = f"from diffusers import {class_name}"
     else:
@@ -454,13 +403,7 @@ def _reconstruction_card(
             f"from diffusers_scalelong.models import {class_name}"
         )
     subfolder = path_in_repo.strip("/")
-    return ModelCard.from_template(
-        data,
-        template_str=_RECONSTRUCTION_CARD,
-        class_name=class_name,
-        record=record,
-        source_repo=source_repo,
-        import_lines=import_lines,
-        repo_id=repo_id,
-        subfolder_arg=f', subfolder="{subfolder}"' if subfolder else "",
-    )
+    subfolder_arg = f', subfolder="{subfolder}"' if subfolder else ""
+    load_code = f'{import_lines}\n\nmodel = {class_name}.from_pretrained("{repo_id}"{subfolder_arg})'
+    title = f"{class_name} with post-hoc EMA sigma_rel = {record['sigma_rel']}"
+    return build_card(data, title, summary, load_code)
