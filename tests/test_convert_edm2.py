@@ -249,8 +249,8 @@ def test_pipeline_from_pickle_with_guide_samples_like_the_official_guided_sample
     assert pipe.config.default_guidance_scale == 1.7 and pipe.guide_unet is not pipe.unet
     with pytest.raises(ValueError, match="default_guidance_scale=1.7 needs a guide_unet"):
         EDM2Pipeline(unet=pipe.unet, scheduler=pipe.scheduler, default_guidance_scale=1.7)
-    with pytest.raises(ValueError, match="vae_pixel_range must be"):
-        EDM2Pipeline(unet=pipe.unet, scheduler=pipe.scheduler, vae_pixel_range=(1.0, 0.0))
+    with pytest.raises(ValueError, match="vae_pixel_range must be one of"):
+        EDM2Pipeline(unet=pipe.unet, scheduler=pipe.scheduler, vae_pixel_range="[0, 255]")
     scheduler = pipe.scheduler.config
     assert (scheduler.sigma_min, scheduler.sigma_max, scheduler.rho, scheduler.S_churn) == (0.002, 80.0, 7.0, 0.0)
 
@@ -315,7 +315,7 @@ def test_latent_pickle_needs_the_vae_and_keeps_the_encoders_normalisation(offici
     # float32 scale/bias of the pickle turned back into mean/std: float32 rounding.
     np.testing.assert_allclose(config.latents_mean, VAE_MEAN, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(config.latents_std, VAE_STD, rtol=1e-6)
-    assert config.scaling_factor == FINAL_STD and pipe.config.vae_pixel_range == [0.0, 1.0]
+    assert config.scaling_factor == FINAL_STD and pipe.config.vae_pixel_range == "[0, 1]"
 
     # Decoding inverts the official encoder's x = z * scale + bias: z = (x - bias) / scale, and reads the VAE's
     # output as pixels in [0, 1] (the official encoder feeds the VAE pixels / 255).

@@ -57,7 +57,7 @@ SOURCE_METADATA = "edm2_source.json"
 #: EDM2's sampler (``edm_sampler`` defaults of the official generation script).
 EDM2_SAMPLER = dict(num_inference_steps=32, sigma_min=0.002, sigma_max=80.0, rho=7.0)
 #: The official latent models feed the VAE pixels / 255 and read its output as [0, 1] (``StabilityVAEEncoder``).
-EDM2_VAE_PIXEL_RANGE = (0.0, 1.0)
+EDM2_VAE_PIXEL_RANGE = "[0, 1]"
 _OFFICIAL_NAME = re.compile(r"^(?P<prefix>.+)-(?P<kimg>\d+)-(?P<sigma_rel>\d+\.\d+)\.pkl$")
 
 
@@ -287,7 +287,7 @@ def _pipeline(
         vae=_load_vae(vae, source.encoder) if vae is not None else None,
         guide_unet=guide_unet,
         default_guidance_scale=1.0 if guidance_scale is None else float(guidance_scale),
-        vae_pixel_range=EDM2_VAE_PIXEL_RANGE if vae is not None else (-1.0, 1.0),
+        vae_pixel_range=EDM2_VAE_PIXEL_RANGE if vae is not None else "[-1, 1]",
     )
     return pipeline, uncertainty, sigma_data
 

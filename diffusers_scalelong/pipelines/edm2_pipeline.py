@@ -32,6 +32,8 @@ EDM_SCHEDULERS = (EDMHeunScheduler, EDMEulerScheduler, EDMDPMSolverMultistepSche
 EDM2_SD_VAE_LATENTS_MEAN = (5.81, 3.25, 0.12, -2.15)
 EDM2_SD_VAE_LATENTS_STD = (4.17, 4.62, 3.71, 3.28)
 EDM2_LATENTS_FINAL_STD = 0.5
+#: Pixel ranges a VAE may work in (``vae_pixel_range``): name -> (low, high).
+VAE_PIXEL_RANGES = {"[-1, 1]": (-1.0, 1.0), "[0, 1]": (0.0, 1.0)}
 
 
 def set_edm2_latent_scaling(
@@ -74,9 +76,9 @@ class EDM2Pipeline(DiffusionPipeline):
             (autoguidance).
         default_guidance_scale: the guidance weight w used when a call gives none (saved in ``model_index.json``,
             e.g. the weight a released model pair was tuned with); values other than 1 need `guide_unet`.
-        vae_pixel_range: the pixel range ``(low, high)`` of the VAE's images: ``(-1, 1)`` (diffusers' convention,
-            default) or ``(0, 1)`` (EDM2's released latent models, whose encoder saw pixels / 255); decoded images
-            are mapped from it to [-1, 1].
+        vae_pixel_range: the pixel range of the VAE's images: ``"[-1, 1]"`` (diffusers' convention, default) or
+            ``"[0, 1]"`` (EDM2's released latent models, whose encoder saw pixels / 255); decoded images are mapped
+            from it to [-1, 1].
     """
 
     model_cpu_offload_seq = "guide_unet->unet->vae"
@@ -90,17 +92,16 @@ class EDM2Pipeline(DiffusionPipeline):
         vae: AutoencoderKL | None = None,
         guide_unet: ModelMixin | None = None,
         default_guidance_scale: float = 1.0,
-        vae_pixel_range: Sequence[float] = (-1.0, 1.0),
+        vae_pixel_range: str = "[-1, 1]",
     ) -> None:
         super().__init__()
         self._check_components(unet, scheduler, vae, guide_unet)
         if default_guidance_scale != 1.0 and guide_unet is None:
             raise ValueError(f"default_guidance_scale={default_guidance_scale} needs a guide_unet")
-        low, high = (float(v) for v in vae_pixel_range)
-        if not low < high:
-            raise ValueError(f"vae_pixel_range must be (low, high) with low < high, got {tuple(vae_pixel_range)}")
+        if vae_pixel_range not in VAE_PIXEL_RANGES:
+            raise ValueError(f"vae_pixel_range must be one of {list(VAE_PIXEL_RANGES)}, got {vae_pixel_range!r}")
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae, guide_unet=guide_unet)
-        self.register_to_config(default_guidance_scale=float(default_guidance_scale), vae_pixel_range=[low, high])
+        self.register_to_config(default_guidance_scale=float(default_guidance_scale), vae_pixel_range=vae_pixel_range)
         vae_scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.image_processor = VaeImageProcessor(vae_scale_factor=vae_scale, do_normalize=True)
 
@@ -194,7 +195,7 @@ class EDM2Pipeline(DiffusionPipeline):
         else:
             z = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
         images = self.vae.decode(z.to(self.vae.dtype)).sample
-        low, high = self.config.get("vae_pixel_range", (-1.0, 1.0))
+        low, high = VAE_PIXEL_RANGES[self.config.get("vae_pixel_range", "[-1, 1]")]
         return images if (low, high) == (-1.0, 1.0) else (images - low) * (2 / (high - low)) - 1
 
     @classmethod
