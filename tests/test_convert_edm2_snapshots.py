@@ -12,7 +12,13 @@ from test_convert_edm2 import official  # noqa: F401  (fixture: fake official mo
 from diffusers_scalelong import EDM2UNet2DModel
 from diffusers_scalelong.convert.cli import edm2_main
 from diffusers_scalelong.convert.edm2_snapshots import SNAPSHOT_SOURCES
-from diffusers_scalelong.ema import list_snapshots, reconstruct_ema, sigma_rel_to_gamma
+from diffusers_scalelong.ema import (
+    list_snapshots,
+    push_snapshots,
+    reconstruct_ema,
+    reconstruct_from_hub,
+    sigma_rel_to_gamma,
+)
 from diffusers_scalelong.ema.cli import main as reconstruct_main
 
 KIMGS, SIGMA_RELS = (8, 16, 24), (0.05, 0.1)
@@ -88,3 +94,17 @@ def test_snapshot_folder_filters_and_errors(official, raw_snapshots, tmp_path): 
         edm2_main([str(folder), "--output_dir", str(tmp_path / "y"), "--vae", "some-vae"])
     with pytest.raises(SystemExit, match="no official snapshot pickles"):
         edm2_main([str(tmp_path / "u"), "--output_dir", str(tmp_path / "z")])
+
+
+def test_converted_snapshots_reconstruct_from_the_local_hub(raw_snapshots, local_hub, tmp_path):
+    folder, _ = raw_snapshots
+    out = tmp_path / "phema"
+    edm2_main([str(folder), "--output_dir", str(out), "--sigma_rel", "0.05"])
+    push_snapshots(out, "tester/edm2-snapshots", endpoint=local_hub.endpoint)
+    (pulled,) = reconstruct_from_hub(
+        "tester/edm2-snapshots", [0.07], 16384, endpoint=local_hub.endpoint, cache_dir=tmp_path / "cache"
+    )
+    (local,) = reconstruct_ema(out, [0.07], 16384)
+    assert pulled.keys() == local.keys()
+    for key in pulled:
+        torch.testing.assert_close(pulled[key], local[key], atol=0, rtol=0)  # same files, same arithmetic
