@@ -33,7 +33,8 @@ from diffusers import AutoencoderKL
 
 from .. import EDM2Pipeline, EDM2UNet2DModel, EDMHeunScheduler, EDMPreconditioner, LearnedUncertainty
 from ..atomic import atomic_write_text
-from ..pipelines import model_card, push_pipeline_to_hub, set_edm2_latent_scaling
+from ..hub import model_card, push_pipeline_to_hub
+from ..pipelines import set_edm2_latent_scaling
 from .edm2_state_dict import convert_edm2_state_dict
 from .safe_pickle import PersistentObject, load_restricted_pickle, module_tensors
 
