@@ -7,20 +7,12 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DModel
 
 from diffusers_scalelong.ema import PowerFunctionEMA
+from tests._tiny_models import TINY_UNET
 
 
 def tiny_unet() -> UNet2DModel:
     torch.manual_seed(0)
-    return UNet2DModel(
-        sample_size=8,
-        in_channels=1,
-        out_channels=1,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-        norm_num_groups=4,
-    )
+    return UNet2DModel(**TINY_UNET)
 
 
 def _batch(step: int, batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,18 +10,9 @@ from diffusers_scalelong.edm2 import EDM2Loss, EDMPreconditioner, LearnedUncerta
 from diffusers_scalelong.models import EDM2UNet2DModel, ScaleLongUNet2DModel, UViT2DModel
 from diffusers_scalelong.scalelong import StabilityDiagnostics
 from diffusers_scalelong.trainer.loop import make_diagnostics
+from tests._tiny_models import TINY_ATTENTION_UNET
 
-UNET_CONFIG = dict(
-    sample_size=8,
-    in_channels=1,
-    out_channels=1,
-    block_out_channels=(8, 16),
-    layers_per_block=1,
-    down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-    up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-    norm_num_groups=4,
-    attention_head_dim=4,
-)
+UNET_CONFIG = TINY_ATTENTION_UNET
 
 
 def _hook_counts(model):

@@ -28,6 +28,7 @@ from diffusers_scalelong.ema import (
 from diffusers_scalelong.ema.cli import main as cli_main
 from diffusers_scalelong.ema.plot import profile_values
 from diffusers_scalelong.ema.snapshots import write_snapshot
+from tests._tiny_models import TINY_UNET
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 120, 10
@@ -189,16 +190,7 @@ def _corrupt(kind):
             save_file({"w": torch.zeros(2)}, folder / "phema-0000000005-0.100.safetensors")
         elif kind == "mixed config":
             other = TinyTraining((0.1,))
-            other.model = UNet2DModel(
-                sample_size=8,
-                in_channels=1,
-                out_channels=1,
-                layers_per_block=1,
-                block_out_channels=(8, 8),
-                down_block_types=("DownBlock2D", "DownBlock2D"),
-                up_block_types=("UpBlock2D", "UpBlock2D"),
-                norm_num_groups=4,
-            )
+            other.model = UNet2DModel(**dict(TINY_UNET, block_out_channels=(8, 8)))
             ema = PowerFunctionEMA(other.model, sigma_rels=(0.15,))
             ema.update(other.model, 30)
             ema.save_snapshots(folder)

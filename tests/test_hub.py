@@ -15,22 +15,14 @@ from huggingface_hub.errors import RepositoryNotFoundError
 
 from diffusers_scalelong.ema import PowerFunctionEMA, list_snapshots, reconstruct_ema, save_reconstructed_models
 from diffusers_scalelong.ema import hub_transfer as hub
+from tests._tiny_models import TINY_UNET
 
 SIGMA_RELS = (0.05, 0.10)
 TIMES = (10, 20, 30, 40)
 
 
 def _tiny_unet() -> UNet2DModel:
-    return UNet2DModel(
-        sample_size=8,
-        in_channels=1,
-        out_channels=1,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-    )
+    return UNet2DModel(**TINY_UNET)
 
 
 @pytest.fixture(scope="module")

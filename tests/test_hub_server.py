@@ -12,6 +12,8 @@ from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from safetensors.torch import load_file
 
+from tests._tiny_models import TINY_UNET
+
 
 def _write_folder(folder):
     (folder / "nested").mkdir(parents=True)
@@ -112,16 +114,7 @@ def _folder_with(folder, files):
 
 
 def test_diffusers_from_pretrained_by_repo_id_in_subprocess(local_hub, tmp_path):
-    unet = UNet2DModel(
-        sample_size=8,
-        in_channels=1,
-        out_channels=1,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-    )
+    unet = UNet2DModel(**TINY_UNET)
     unet.save_pretrained(tmp_path / "unet")
     HfApi(endpoint=local_hub.endpoint).create_repo("tester/tiny-unet")
     HfApi(endpoint=local_hub.endpoint).upload_folder(repo_id="tester/tiny-unet", folder_path=tmp_path / "unet")

@@ -24,6 +24,7 @@ from diffusers_scalelong.pipelines import EDM2Pipeline, set_edm2_latent_scaling
 from diffusers_scalelong.schedulers import EDMHeunScheduler
 from tests._exact import REALIGN_SOURCE, one_thread, realign
 from tests._gaussian_mixture import tiny_unet
+from tests._tiny_models import TINY_EDM2_UNET
 
 STEPS = 3
 
@@ -316,16 +317,7 @@ def tiny_edm2_unet(num_class_embeds=4):
     from diffusers_scalelong.models import EDM2UNet2DModel
 
     torch.manual_seed(0)
-    return EDM2UNet2DModel(
-        sample_size=8,
-        in_channels=1,
-        model_channels=8,
-        channel_mult=(1, 2),
-        layers_per_block=1,
-        attention_resolutions=(4,),
-        num_class_embeds=num_class_embeds,
-        channels_per_head=8,
-    ).eval()
+    return EDM2UNet2DModel(**TINY_EDM2_UNET, num_class_embeds=num_class_embeds).eval()
 
 
 def test_edm2_unet_denoiser_matches_training_preconditioning():

@@ -19,6 +19,7 @@ from diffusers_scalelong.models import ScaleLongUNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline, push_pipeline_to_hub, write_hub_layout
 from diffusers_scalelong.schedulers import EDMHeunScheduler
 from tests._exact import REALIGN_SOURCE, one_thread
+from tests._tiny_models import TINY_UNET
 
 SHIMS = Path(__file__).resolve().parents[1] / "pipelines"
 STEPS = 2
@@ -27,14 +28,7 @@ STEPS = 2
 def scalelong_unet(num_class_embeds=None):
     torch.manual_seed(0)
     return ScaleLongUNet2DModel(
-        sample_size=8,
-        in_channels=1,
-        out_channels=1,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-        norm_num_groups=4,
+        **TINY_UNET,
         time_embedding_type="positional",
         num_class_embeds=num_class_embeds,
         lsc_method="cs",

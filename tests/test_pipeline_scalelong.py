@@ -23,17 +23,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from diffusers_scalelong.models import ScaleLongUNet2DConditionModel, ScaleLongUNet2DModel
 from tests._exact import realign
+from tests._tiny_models import TINY_CONDITION_UNET, TINY_UNET
 
-UNET = dict(
-    sample_size=8,
-    in_channels=1,
-    out_channels=1,
-    block_out_channels=(8, 16),
-    layers_per_block=1,
-    down_block_types=("DownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "UpBlock2D"),
-    norm_num_groups=4,
-)
+UNET = TINY_UNET
 
 
 def swapped_unets(lsc_method: str) -> tuple[UNet2DModel, ScaleLongUNet2DModel]:
@@ -117,18 +109,7 @@ def tiny_sd_pipeline(unet) -> StableDiffusionPipeline:
 
 
 def tiny_condition_unets(lsc_method: str):
-    config = dict(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16,
-        norm_num_groups=4,
-        attention_head_dim=4,
-    )
+    config = dict(TINY_CONDITION_UNET, cross_attention_dim=16, attention_head_dim=4)
     torch.manual_seed(0)
     vanilla = UNet2DConditionModel(**config).eval()
     scalelong = ScaleLongUNet2DConditionModel(**config, lsc_method=lsc_method).eval()

@@ -12,30 +12,10 @@ from torch import nn
 from diffusers_scalelong.models import ScaleLongUNet2DConditionModel, ScaleLongUNet2DModel
 from diffusers_scalelong.scalelong import ChannelGate, apply_lsc, lsc_coefficients, remove_lsc
 from tests._exact import realign
+from tests._tiny_models import TINY_ATTENTION_UNET, TINY_CONDITION_UNET
 
-UNET_CONFIG = dict(
-    sample_size=8,
-    in_channels=1,
-    out_channels=1,
-    block_out_channels=(8, 16),
-    layers_per_block=2,
-    down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-    up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-    norm_num_groups=4,
-    attention_head_dim=4,
-)
-COND_CONFIG = dict(
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    block_out_channels=(8, 16),
-    layers_per_block=1,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=8,
-    norm_num_groups=4,
-    attention_head_dim=2,
-)
+UNET_CONFIG = dict(TINY_ATTENTION_UNET, layers_per_block=2)
+COND_CONFIG = dict(TINY_CONDITION_UNET, cross_attention_dim=8, attention_head_dim=2)
 # Skips of UNET_CONFIG in production order (outermost first): conv_in, down0.resnet0, down0.resnet1,
 # down0.downsampler, down1.resnet0, down1.resnet1. The outer up block (run last) receives the first three, the inner
 # one the last three; coefficients per up block in run order, written out from kappa^(i-1) with kappa = 0.5.
