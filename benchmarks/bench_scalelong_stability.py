@@ -25,8 +25,8 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from diffusers_scalelong.data import load_fashion_mnist_arrays
-from diffusers_scalelong.diagnostics import StabilityDiagnostics
 from diffusers_scalelong.models import ScaleLongUNet2DModel, UViT2DModel
+from diffusers_scalelong.scalelong import StabilityDiagnostics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLOT_DIR = os.path.join(HERE, "scalelong")

@@ -1,5 +1,16 @@
 """diffusers-scalelong: stable, efficient diffusion training for Hugging Face diffusers.
 
+Map (details in the repository's ARCHITECTURE.md):
+
+- ``scalelong/``: ScaleLong long-skip scaling: coefficients, LS gates, ``LongSkipScaling``, the long-skip protocol,
+  conv-UNet hooks, loading/upgrading UNets, stability diagnostics;
+- ``layers/``: EDM2's magnitude-preserving layers; ``edm2/``: preconditioning, learned uncertainty, loss, lr
+  schedule, presets;
+- ``models/``: ScaleLong UNets, the U-ViT, the EDM2 UNet; ``schedulers/`` and ``pipelines/``: sampling;
+- ``ema/``: post-hoc EMA (tracking, snapshots, reconstruction, Hub transfer, CLI); ``hub/``: model cards and the
+  Hub-native pipeline layout; ``convert/``: official weights;
+- ``trainer/``: building blocks of the training scripts; ``data``, ``metrics/``, ``atomic``: shared utilities.
+
 Importing the package imports its submodules, so that ``DiffusionPipeline.from_pretrained``
 finds the classes that ``model_index.json`` names by module path.
 """

@@ -32,7 +32,7 @@ from diffusers_scalelong.metrics import compute_fd_kid
 from diffusers_scalelong.models import EDM2UNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline
 from diffusers_scalelong.schedulers import EDMHeunScheduler
-from diffusers_scalelong.training_utils import save_image_grid, save_pipeline_atomic
+from diffusers_scalelong.trainer import save_image_grid, save_pipeline_atomic
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "training" / "train_unconditional.py"
 
