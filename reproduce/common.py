@@ -58,6 +58,20 @@ def run_key(config: dict) -> str:
     return json.dumps(config, sort_keys=True)
 
 
+def run_once(store: ResultStore, table: str, config: dict, train: Callable[[], dict]) -> None:
+    """Run ``train()`` unless ``config`` is already in ``table``; append its metrics with the run's CPU seconds
+    (training, sampling and metric together) and its finishing time (UTC)."""
+    key = run_key(config)
+    if store.done(table, key):
+        return
+    print(f"[{table}] {key}", flush=True)
+    start = time.process_time()
+    record = train()
+    record["run_cpu_s"] = time.process_time() - start
+    record["finished_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    store.append(table, key, {"config": config, **record})
+
+
 # ---------------------------------------------------------------------------------------------------- data
 _IMAGES: dict[tuple[int, int | None], torch.Tensor] = {}
 

@@ -84,17 +84,22 @@ def sweep_section(store: ResultStore, folder: str) -> list[str]:
             f"| {r['grad_spikes']} | {divergence(r)} | {r['loss_tail']:.4f} "
             f"| {r['grad_tail']:.3f} | {'-' if growth is None else f'{growth:.2f}'} | {r['train_cpu_s']:.0f} |"
         )
-    figure = new_figure(11, 4)
-    for position, warmup in enumerate(sorted({r["config"]["warmup"] for r in rows}), start=1):
-        axes = figure.add_subplot(1, 2, min(position, 2))
-        for r in rows:
-            if r["config"]["warmup"] == warmup:
-                s = r["series"]
-                axes.plot(s["step"], s["loss"], label=f"{backbone(r['config'])} lr {r['config']['lr']:g}", lw=1)
-        axes.set_title(f"vanilla, warm-up {warmup} steps: smoothed loss")
-        axes.set_yscale("log")
-        axes.set_xlabel("step")
-        axes.legend(fontsize=6)
+    figure = new_figure(11, 7)
+    warmups = sorted({r["config"]["warmup"] for r in rows})[:2]
+    for column, warmup in enumerate(warmups):
+        for row, (field, xs, title, log) in enumerate(
+            [("loss", "step", "smoothed loss", True), ("mid_norm", "record_step", "mid-block output norm", True)]
+        ):
+            axes = figure.add_subplot(2, 2, 2 * row + column + 1)
+            for r in rows:
+                if r["config"]["warmup"] == warmup and None not in r["series"][field]:
+                    s = r["series"]
+                    axes.plot(s[xs], s[field], label=f"{backbone(r['config'])} lr {r['config']['lr']:g}", lw=1)
+            axes.set_title(f"vanilla, warm-up {warmup} steps: {title}", fontsize=9)
+            if log:
+                axes.set_yscale("log")
+            axes.set_xlabel("step")
+            axes.legend(fontsize=6)
     figure.tight_layout()
     save(figure, os.path.join(folder, "scalelong_sweep.png"))
     return [*lines, "", "![sweep](reproduction/scalelong_sweep.png)"]
@@ -170,8 +175,8 @@ def plot_compare(groups: dict[str, list[dict]], path: str, title: str) -> None:
     panels = [
         ("smoothed training loss", "step", "loss", True),
         ("global gradient norm", "step", "grad", True),
-        ("mid-block output norm", "record_step", "mid_norm", False),
-        ("mean decoder-input (hidden) norm", "record_step", "decoder_norm", False),
+        ("mid-block output norm", "record_step", "mid_norm", True),
+        ("mean decoder-input (hidden) norm", "record_step", "decoder_norm", True),
     ]
     for position, (name, xs, ys, log) in enumerate(panels, start=1):
         axes = figure.add_subplot(2, 2, position)
@@ -237,53 +242,31 @@ def magnitudes_section(store: ResultStore, folder: str) -> list[str]:
     return [*lines, "", "![magnitudes](reproduction/edm2_magnitudes.png)"]
 
 
-def posthoc_section(store: ResultStore, folder: str) -> tuple[list[str], dict]:
+def posthoc_section(store: ResultStore, folder: str, noise: dict) -> tuple[list[str], dict]:
     runs = [r for r in edm2_rows(store, variant="edm2", lsc="none") if r.get("posthoc")]
     if not runs:
         return ["_No post-hoc EMA run yet._"], {}
     r = runs[0]
     curve = {float(k): v for k, v in r["posthoc"].items()}
     sigmas = sorted(curve)
+    error = noise.get("single", 0.0)
     figure = new_figure(7, 4.5)
     axes = figure.add_subplot(1, 1, 1)
-    axes.errorbar(
-        sigmas,
-        [curve[s]["fd"] for s in sigmas],
-        yerr=[curve[s]["fd_halfdiff"] for s in sigmas],
-        marker="o",
-        ms=3,
-        capsize=2,
-        label="post-hoc reconstruction",
-    )
-    for key, value in r.get("tracked", {}).items():
-        axes.errorbar(
-            [float(key)],
-            [value["fd"]],
-            yerr=[value["fd_halfdiff"]],
-            marker="s",
-            color="C3",
-            capsize=2,
-            label="tracked EMA" if key == next(iter(r["tracked"])) else None,
-        )
-    if "raw_fd" in r:
-        axes.axhline(r["raw_fd"]["fd"], color="gray", ls="--", lw=1, label="no EMA (raw weights)")
+    axes.errorbar(sigmas, [curve[s] for s in sigmas], yerr=error, marker="o", ms=3, capsize=2, label="post-hoc")
+    tracked = {float(k): v for k, v in r.get("tracked", {}).items()}
+    axes.scatter(list(tracked), list(tracked.values()), marker="s", color="C3", zorder=3, label="tracked EMA")
+    axes.axhline(r["raw_fd"], color="gray", ls="--", lw=1, label="no EMA (raw weights)")
     axes.set_xscale("log")
     axes.set_xlabel("sigma_rel")
-    axes.set_ylabel("FD-FMNISTNet (mean of 2 sample sets)")
-    axes.set_title(f"Post-hoc EMA, EDM2 UNet, {r['config']['steps']} steps")
+    axes.set_ylabel("FD-FMNISTNet")
+    axes.set_title(f"Post-hoc EMA, EDM2 UNet, {r['config']['steps']} steps (bars: sample noise of one set)", fontsize=9)
     axes.legend(fontsize=8)
     figure.tight_layout()
     save(figure, os.path.join(folder, "posthoc_ema.png"))
-    lines = ["| sigma_rel | FD (reconstructed) | ± (half-difference of 2 sets) | FD (tracked) |", "|---|---|---|---|"]
+    lines = ["| sigma_rel | FD (reconstructed) | FD (tracked during training) |", "|---|---|---|"]
     for s in sigmas:
-        tracked = r.get("tracked", {}).get(str(s))
-        tracked_text = "-" if tracked is None else f"{tracked['fd']:.2f} ± {tracked['fd_halfdiff']:.2f}"
-        lines.append(f"| {s:g} | {curve[s]['fd']:.2f} | {curve[s]['fd_halfdiff']:.2f} | {tracked_text} |")
-    for key, value in r.get("tracked", {}).items():
-        if float(key) not in curve:
-            lines.append(f"| {key} (tracked only) | - | - | {value['fd']:.2f} ± {value['fd_halfdiff']:.2f} |")
-    if "raw_fd" in r:
-        lines.append(f"| raw weights | {r['raw_fd']['fd']:.2f} | {r['raw_fd']['fd_halfdiff']:.2f} | - |")
+        lines.append(f"| {s:g} | {curve[s]:.2f} | {f'{tracked[s]:.2f}' if s in tracked else '-'} |")
+    lines.append(f"| raw weights (no EMA) | {r['raw_fd']:.2f} | - |")
     return [*lines, "", "![posthoc](reproduction/posthoc_ema.png)"], {"curve": curve, "run": r}
 
 
@@ -369,8 +352,6 @@ def fd_noise(store: ResultStore) -> dict:
         for r in store.rows(table):
             if r.get("final_fd_a") is not None:
                 diffs.append(abs(r["final_fd_a"] - r["final_fd_b"]))
-            for value in r.get("posthoc", {}).values():
-                diffs.append(abs(value["fd_a"] - value["fd_b"]))
     if not diffs:
         return {}
     single = math.sqrt(statistics.mean(d * d for d in diffs) / 2)
@@ -394,14 +375,7 @@ def summary_figure(folder: str, compare: dict, posthoc: dict, recipe: dict) -> N
     if posthoc:
         axes = figure.add_subplot(1, 3, 2)
         sigmas = sorted(posthoc["curve"])
-        axes.errorbar(
-            sigmas,
-            [posthoc["curve"][s]["fd"] for s in sigmas],
-            yerr=[posthoc["curve"][s]["fd_halfdiff"] for s in sigmas],
-            marker="o",
-            ms=3,
-            capsize=2,
-        )
+        axes.plot(sigmas, [posthoc["curve"][s] for s in sigmas], marker="o", ms=3)
         axes.set_xscale("log")
         axes.set_title("EDM2 post-hoc EMA: FD vs sigma_rel", fontsize=9)
     if recipe:
@@ -423,10 +397,10 @@ def build_report(out: str, report_path: str) -> str:
     stable, stable_stats = compare_section(store, out, "stable")
     conv, conv_stats = compare_section(store, out, "conv")
     magnitudes = magnitudes_section(store, out)
-    posthoc, posthoc_data = posthoc_section(store, out)
+    noise = fd_noise(store)
+    posthoc, posthoc_data = posthoc_section(store, out, noise)
     recipe, recipe_groups = recipe_section(store, out)
     lsc = lsc_section(store)
-    noise = fd_noise(store)
     summary_figure(out, {"unstable": unstable_stats, "stable": stable_stats}, posthoc_data, recipe_groups)
     context = {
         "store": store,

@@ -33,7 +33,7 @@ SCALES = {
         "lrs": [1e-3, 3e-3, 1e-2, 3e-2],
         "warmup": 100,
         "sweep_steps": 300,
-        "compare_steps": 500,
+        "compare_steps": 400,
         "record_every": 10,
         "num_samples": 300,
         "ddim_steps": 10,

@@ -21,7 +21,7 @@ from common import (
     fd_two_sets,
     global_grad_norm,
     oscillation,
-    run_key,
+    run_once,
     sample_ddim,
     smoothed,
     spike_statistics,
@@ -256,8 +256,4 @@ def conv_compare_configs(scale: dict, seeds: list[int]) -> list[dict]:
 
 def run_configs(store: ResultStore, table: str, configs: list[dict], scale: dict, with_fd: bool) -> None:
     for config in configs:
-        key = run_key(config)
-        if store.done(table, key):
-            continue
-        print(f"[{table}] {key}", flush=True)
-        store.append(table, key, {"config": config, **train_run(config, scale, with_fd)})
+        run_once(store, table, config, lambda config=config: train_run(config, scale, with_fd))
