@@ -17,13 +17,14 @@ from torch import nn
 
 from ..edm2.presets import EDM2_PRESETS, EDM2Preset, get_edm2_preset
 from ..layers.mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
+from ..scalelong.loading import LongSkipScalingLoaderMixin
 from ..scalelong.scaling import LongSkipScaling
 from ..scalelong.skips import LongSkip, LongSkipLayout
 
 __all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel"]
 
 
-class EDM2UNet2DModel(ModelMixin, ConfigMixin):
+class EDM2UNet2DModel(LongSkipScalingLoaderMixin, ModelMixin, ConfigMixin):
     """EDM2 magnitude-preserving UNet, the raw network ``F(c_in x, c_noise, class_labels) -> UNet2DOutput``.
 
     Args:
