@@ -10,6 +10,7 @@ from .mp import (
     mp_sum,
     normalize,
     pixel_norm,
+    register_sharded_weight_projection,
     resample,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "mp_sum",
     "normalize",
     "pixel_norm",
+    "register_sharded_weight_projection",
     "resample",
 ]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.utils.hooks import RemovableHandle
 
 MP_SILU_SCALE = 0.596
 """RMS of silu(z) for z ~ N(0, 1) (0.5955...), the divisor of :func:`mp_silu`."""
@@ -75,16 +76,21 @@ def pixel_norm(x: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 
 
 def mp_silu(x: torch.Tensor) -> torch.Tensor:
-    """Magnitude-preserving SiLU: ``silu(x) / 0.596`` (paper Eq. 81)."""
-    return F.silu(x) / MP_SILU_SCALE
+    """Magnitude-preserving SiLU: ``silu(x) / 0.596`` (paper Eq. 81).
+
+    The division runs in place on silu's output (silu's backward needs only its input): one allocation, not two.
+    """
+    return F.silu(x).div_(MP_SILU_SCALE)
 
 
 def mp_sum(a: torch.Tensor, b: torch.Tensor, t: float = 0.5) -> torch.Tensor:
     """Magnitude-preserving weighted sum (Eq. 88): ``((1 - t) a + t b) / sqrt((1 - t)^2 + t^2)``.
 
     ``t`` is the weight of the *second* argument; for uncorrelated unit-RMS ``a`` and ``b`` the output has unit RMS.
+    Computed as ``a wa + wb b`` with the weights folded into two scalars: two passes over the activations, not four.
     """
-    return ((1 - t) * a + t * b) / math.sqrt((1 - t) ** 2 + t**2)
+    norm = math.sqrt((1 - t) ** 2 + t**2)
+    return torch.add(a * ((1 - t) / norm), b, alpha=t / norm)
 
 
 def mp_cat(
@@ -181,7 +187,7 @@ class MPConv(nn.Module):
         w = self.weight.to(torch.float32)
         dims = tuple(range(1, w.ndim))
         norm = torch.linalg.vector_norm(w, dim=dims, keepdim=True)
-        rms = (norm / math.sqrt(w[0].numel())).clamp_min(torch.finfo(torch.float32).tiny)
+        rms = (norm / math.sqrt(math.prod(w.shape[1:]))).clamp_min(torch.finfo(torch.float32).tiny)
         if self.weight.dtype == torch.float32:
             self.weight.div_(rms)  # the same rounding as w / rms, without a temporary
         else:
@@ -191,7 +197,7 @@ class MPConv(nn.Module):
     def _unit_weight(self, norm: torch.Tensor | None = None) -> torch.Tensor:
         """``normalize(w) / sqrt(fan_in)`` in float32 (``norm``: the rows' known L2 norms)."""
         w = self.weight.to(torch.float32)
-        return _Normalize.apply(w, tuple(range(1, w.ndim)), 1e-4, math.sqrt(w[0].numel()), norm)
+        return _Normalize.apply(w, tuple(range(1, w.ndim)), 1e-4, math.sqrt(math.prod(w.shape[1:])), norm)
 
     def _scaled_unit_weight(self, norm: torch.Tensor | None = None) -> torch.Tensor:
         """``normalize(w) / sqrt(fan_in)`` in float32; cached in eval mode without autograd."""
@@ -238,6 +244,25 @@ def cached_weight_normalization(module: nn.Module) -> Iterator[nn.Module]:
         for layer in layers:
             layer.weight_cache_enabled = False
             layer._cached_weight = layer._cached_key = None
+
+
+def register_sharded_weight_projection(model: nn.Module) -> RemovableHandle:
+    """Forced weight normalisation of a model whose parameters are sharded on dim 0 (FSDP2 ``fully_shard``).
+
+    Under FSDP2 a forward sees all-gathered copies of the weights, so the in-place projection inside
+    :meth:`MPConv.forward` lands in a copy that is discarded. This forward pre-hook on ``model`` (it runs before
+    FSDP's own hooks) projects the stored shards in training mode: a dim-0 shard holds complete output rows, so the
+    per-row projection ``w_o <- w_o / rms(w_o)`` needs no communication. Register it after ``fully_shard(model)``;
+    the projection inside the forward then finds unit rows and changes them only by float rounding.
+    """
+    layers = [layer for layer in model.modules() if isinstance(layer, MPConv)]
+
+    def project(module: nn.Module, args: tuple) -> None:
+        if module.training:
+            for layer in layers:
+                layer.force_weight_normalization()
+
+    return model.register_forward_pre_hook(project, prepend=True)
 
 
 class Block(nn.Module):
@@ -326,5 +351,6 @@ class Block(nn.Module):
         if self.num_heads:
             x = mp_sum(x, self.attention(x), t=self.attn_balance)
         if self.clip_act is not None:
-            x = x.clamp(-self.clip_act, self.clip_act)
+            # hardtanh is clamp with a one-pass backward (it differs from clamp's only at exactly +-clip_act).
+            x = F.hardtanh(x, -self.clip_act, self.clip_act)
         return x
