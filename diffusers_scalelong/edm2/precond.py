@@ -1,6 +1,7 @@
 """EDM preconditioning ``D(x; sigma) = c_skip x + c_out F(c_in x, c_noise)`` around a raw network F.
 
-The c-functions are those of diffusers' EDM schedulers (``EDMEulerScheduler.precondition_inputs`` /
+The c-functions (one definition in :mod:`diffusers_scalelong.schedulers.edm_preconditioning`, shared with
+``EDMHeunScheduler``) are the same as diffusers' ``EDMEulerScheduler`` (``precondition_inputs`` /
 ``precondition_noise`` / ``precondition_outputs`` with ``prediction_type="epsilon"``), so a network trained
 through this wrapper samples with those schedulers unchanged:
 
@@ -10,24 +11,17 @@ through this wrapper samples with those schedulers unchanged:
 
 import json
 import os
-from functools import lru_cache
 
 import torch
-from diffusers import EDMEulerScheduler
 from torch import nn
 
 from ..atomic import atomic_write_text
+from ..schedulers.edm_preconditioning import edm_c_in, edm_c_noise, edm_c_out, edm_c_skip
 from .uncertainty import LearnedUncertainty
 
 __all__ = ["EDMPreconditioner", "edm_precondition"]
 
 PRECONDITIONER_CONFIG = "preconditioner_config.json"
-
-
-@lru_cache(maxsize=8)
-def _edm_scheduler(sigma_data: float) -> EDMEulerScheduler:
-    """The diffusers scheduler whose ``precondition_*`` helpers define the c-functions (stateless for them)."""
-    return EDMEulerScheduler(sigma_data=sigma_data, prediction_type="epsilon")
 
 
 def _sigma_tensor(sigma: torch.Tensor | float, sample: torch.Tensor) -> torch.Tensor:
@@ -50,15 +44,13 @@ def edm_precondition(
     ``model`` is a raw network called as ``model(c_in x, c_noise, class_labels=...)`` returning ``.sample`` or a
     tensor (e.g. :class:`EDM2UNet2DModel`); its input is cast to the dtype of ``sample``.
     """
-    scheduler = _edm_scheduler(float(sigma_data))
     x = sample.to(torch.float32)
     sigma = _sigma_tensor(sigma, sample)
-    model_input = scheduler.precondition_inputs(x, sigma).to(sample.dtype)
-    c_noise = scheduler.precondition_noise(sigma.flatten())
+    model_input = (x * edm_c_in(sigma, sigma_data)).to(sample.dtype)
     kwargs = {} if class_labels is None else {"class_labels": class_labels}
-    output = model(model_input, c_noise, **kwargs)
+    output = model(model_input, edm_c_noise(sigma.flatten()), **kwargs)
     output = output.sample if hasattr(output, "sample") else output
-    return scheduler.precondition_outputs(x, output.to(torch.float32), sigma)
+    return edm_c_skip(sigma, sigma_data) * x + edm_c_out(sigma, sigma_data) * output.to(torch.float32)
 
 
 class EDMPreconditioner(nn.Module):
@@ -90,7 +82,7 @@ class EDMPreconditioner(nn.Module):
         sigma = _sigma_tensor(sigma, sample).expand(sample.shape[0], 1, 1, 1)
         if self.uncertainty is None:
             return denoised, torch.zeros_like(sigma)
-        return denoised, self.uncertainty(_edm_scheduler(self.sigma_data).precondition_noise(sigma.flatten()))
+        return denoised, self.uncertainty(edm_c_noise(sigma.flatten()))
 
     def components(self) -> dict[str, nn.Module]:
         """The diffusers models inside, by folder name: ``unet`` and, when present, ``uncertainty``."""

@@ -9,7 +9,8 @@ last, the Heun correction ``x_{i+1} = x̂_i + (t_{i+1} - t̂_i) (d_i + d'_i) / 2
 
 Preconditioning and the ``timesteps`` convention are those of diffusers' ``EDMEulerScheduler``: the model is the raw
 network F, ``timesteps`` are ``c_noise = ln(sigma) / 4``, ``scale_model_input`` multiplies by
-``c_in = 1 / sqrt(sigma^2 + sigma_data^2)`` and ``D = c_skip x + c_out F``. One model therefore works with
+``c_in = 1 / sqrt(sigma^2 + sigma_data^2)`` and ``D = c_skip x + c_out F`` (the c-functions of
+:mod:`.edm_preconditioning`, shared with ``EDMPreconditioner``). One model therefore works with
 ``EDMEulerScheduler``, ``EDMDPMSolverMultistepScheduler`` and this scheduler, and ``from_config`` converts between them.
 """
 
@@ -24,6 +25,8 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
+
+from .edm_preconditioning import edm_c_in, edm_c_noise, edm_c_out, edm_c_skip
 
 
 @dataclass
@@ -158,23 +161,20 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
     # ------------------------------------------------------------------ EDM preconditioning
     def precondition_inputs(self, sample: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
         """``c_in x`` with ``c_in = 1 / sqrt(sigma^2 + sigma_data^2)``."""
-        return sample / (sigma**2 + self.config.sigma_data**2) ** 0.5
+        return sample * edm_c_in(sigma, self.config.sigma_data)
 
     def precondition_noise(self, sigma: float | torch.Tensor) -> torch.Tensor:
         """``c_noise = ln(sigma) / 4`` (the values stored in `timesteps`)."""
-        sigma = sigma if isinstance(sigma, torch.Tensor) else torch.tensor([sigma])
-        return 0.25 * torch.log(sigma)
+        return edm_c_noise(sigma if isinstance(sigma, torch.Tensor) else torch.tensor([sigma]))
 
     def precondition_outputs(
         self, sample: torch.Tensor, model_output: torch.Tensor, sigma: float | torch.Tensor
     ) -> torch.Tensor:
         """Denoiser ``D = c_skip x + c_out F``, ``c_skip = sd^2/(s^2+sd^2)``, ``c_out = ±s sd/sqrt(s^2+sd^2)``."""
-        sd = self.config.sigma_data
-        c_skip = sd**2 / (sigma**2 + sd**2)
-        c_out = sigma * sd / (sigma**2 + sd**2) ** 0.5
+        c_out = edm_c_out(sigma, self.config.sigma_data)
         if self.config.prediction_type == "v_prediction":
             c_out = -c_out
-        return c_skip * sample + c_out * model_output
+        return edm_c_skip(sigma, self.config.sigma_data) * sample + c_out * model_output
 
     def scale_model_input(self, sample: torch.Tensor, timestep: float | torch.Tensor) -> torch.Tensor:
         """Network input ``c_in(sigma) x`` for the current entry of `timesteps`."""
