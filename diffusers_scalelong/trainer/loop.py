@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, broadcast
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin, broadcast
 from tqdm.auto import tqdm
 
 from .checkpoint import Checkpoint
@@ -86,6 +86,11 @@ def make_accelerator(args: argparse.Namespace, output_dir: Path) -> Accelerator:
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,
+        dynamo_plugin=(
+            TorchDynamoPlugin(backend=args.compile_backend, mode=args.compile_mode)
+            if getattr(args, "compile", False)
+            else None
+        ),
     )
 
 
@@ -186,6 +191,7 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
 
     progress = tqdm(total=max_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps")
     start = time.monotonic()
+    step_times = [start]
     stop = global_step >= max_steps
     micro_losses = []
     for epoch in range(first_epoch, num_epochs):
@@ -232,6 +238,7 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
             progress.set_postfix(loss=f"{logs['loss']:.4f}")
             accelerator.log(logs, step=global_step)
 
+            step_times.append(time.monotonic())
             stop = global_step >= max_steps
             if args.max_train_time_minutes is not None:
                 out_of_time = torch.tensor(float(time.monotonic() - start > 60 * args.max_train_time_minutes))
@@ -250,6 +257,12 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
             if stop:
                 break
     progress.close()
+    if getattr(args, "compile", False) and len(step_times) > 1:
+        steady = (step_times[-1] - step_times[1]) / max(1, len(step_times) - 2)
+        accelerator.print(
+            f"torch.compile: first step {step_times[1] - step_times[0]:.1f} s (includes the compilation), "
+            + (f"then {steady:.3f} s/step" if len(step_times) > 2 else "no further step")
+        )
 
     accelerator.wait_for_everyone()
     if diagnostics is not None and diagnostics.history:
