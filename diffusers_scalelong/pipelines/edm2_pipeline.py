@@ -20,6 +20,7 @@ from diffusers import (
     ImagePipelineOutput,
     ModelMixin,
 )
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -83,7 +84,7 @@ class EDM2Pipeline(DiffusionPipeline):
 
     model_cpu_offload_seq = "guide_unet->unet->vae"
     _optional_components = ["vae", "guide_unet"]
-    _callback_tensor_inputs = ["latents"]
+    _callback_tensor_inputs = ["latents", "class_labels"]
 
     def __init__(
         self,
@@ -148,6 +149,22 @@ class EDM2Pipeline(DiffusionPipeline):
     def num_timesteps(self) -> int:
         """Network evaluations of the last call (entries of the scheduler's `timesteps`)."""
         return self._num_timesteps
+
+    @property
+    def guidance_scale(self) -> float:
+        """The guidance weight w of the running call, read at every step: a callback may change it between steps
+        through ``pipeline._guidance_scale`` (as diffusers' guidance cut-off callbacks do)."""
+        return self._guidance_scale
+
+    @property
+    def do_guidance(self) -> bool:
+        """Whether the current step evaluates `guide_unet`: only when ``guidance_scale != 1``."""
+        return self._guidance_scale != 1.0
+
+    @property
+    def interrupt(self) -> bool:
+        """Set ``pipeline._interrupt = True`` (e.g. from a callback) to skip the remaining steps of the call."""
+        return self._interrupt
 
     # ------------------------------------------------------------------ inputs
     def _prepare_class_labels(self, class_labels, batch_size: int | None, device) -> tuple[torch.Tensor | None, int]:
@@ -260,7 +277,10 @@ class EDM2Pipeline(DiffusionPipeline):
         latents: torch.Tensor | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
-        callback_on_step_end: Callable[[DiffusionPipeline, int, torch.Tensor, dict], dict] | None = None,
+        callback_on_step_end: Callable[[DiffusionPipeline, int, torch.Tensor, dict], dict]
+        | PipelineCallback
+        | MultiPipelineCallbacks
+        | None = None,
         callback_on_step_end_tensor_inputs: list[str] | None = None,
     ) -> ImagePipelineOutput | tuple:
         """Generate images.
@@ -275,18 +295,27 @@ class EDM2Pipeline(DiffusionPipeline):
             latents: initial noise (unscaled, standard normal) instead of drawing it.
             output_type: ``"pil"``, ``"np"`` (float in [0, 1], NHWC), ``"pt"`` (float in [0, 1], NCHW) or ``"latent"``.
             return_dict: return an `ImagePipelineOutput` (True) or a tuple ``(images,)``.
-            callback_on_step_end: ``f(pipeline, i, t, callback_kwargs) -> dict`` called after every scheduler step;
-                returned tensors replace the pipeline's (e.g. ``{"latents": ...}``).
-            callback_on_step_end_tensor_inputs: names passed in ``callback_kwargs`` (subset of ``["latents"]``).
+            callback_on_step_end: ``f(pipeline, i, t, callback_kwargs) -> dict`` called after every scheduler step,
+                or a diffusers ``PipelineCallback`` / ``MultiPipelineCallbacks``; returned tensors replace the
+                pipeline's (e.g. ``{"latents": ...}``). It may set ``pipeline._guidance_scale`` (read at every step:
+                the guide network runs only while it differs from 1) or ``pipeline._interrupt``.
+            callback_on_step_end_tensor_inputs: names passed in ``callback_kwargs`` (subset of
+                ``["latents", "class_labels"]``; default ``["latents"]``); a ``PipelineCallback`` brings its own
+                ``tensor_inputs``.
         """
-        tensor_inputs = (
-            ["latents"] if callback_on_step_end_tensor_inputs is None else callback_on_step_end_tensor_inputs
-        )
+        if isinstance(callback_on_step_end, PipelineCallback | MultiPipelineCallbacks):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        if callback_on_step_end_tensor_inputs is None:
+            callback_on_step_end_tensor_inputs = ["latents"]
         if guidance_scale is None:
             guidance_scale = self.config.get("default_guidance_scale", 1.0)
-        self._check_call(batch_size, num_inference_steps, guidance_scale, output_type, tensor_inputs)
+        self._check_call(
+            batch_size, num_inference_steps, guidance_scale, output_type, callback_on_step_end_tensor_inputs
+        )
+        self._guidance_scale = guidance_scale
+        self._interrupt = False
         device = self._execution_device
-        labels, batch_size = self._prepare_class_labels(class_labels, batch_size, device)
+        class_labels, batch_size = self._prepare_class_labels(class_labels, batch_size, device)
         if isinstance(generator, list) and len(generator) != batch_size:
             raise ValueError(f"got {len(generator)} generators for {batch_size} images")
 
@@ -299,20 +328,27 @@ class EDM2Pipeline(DiffusionPipeline):
             raise ValueError(f"latents must have shape {shape}, got {tuple(latents.shape)}")
         latents = latents.to(device=device, dtype=torch.float32) * self.scheduler.init_noise_sigma
 
-        use_guide = guidance_scale != 1.0
         self._num_timesteps = len(timesteps)
         for i, t in enumerate(self.progress_bar(timesteps)):
+            if self.interrupt:
+                continue
             model_input = self.scheduler.scale_model_input(latents, t)
-            output = self._network_output(self.unet, model_input, t, labels)
-            if use_guide:
-                guide = self._network_output(self.guide_unet, model_input, t, labels)
-                output = guide + guidance_scale * (output - guide)
+            output = self._network_output(self.unet, model_input, t, class_labels)
+            if self.do_guidance:
+                if self.guide_unet is None:
+                    raise ValueError(
+                        f"guidance_scale={self.guidance_scale} (set during the call, before step {i}) needs a guide_unet"
+                    )
+                guide = self._network_output(self.guide_unet, model_input, t, class_labels)
+                output = guide + self.guidance_scale * (output - guide)
             latents = self.scheduler.step(output, t, latents, generator=generator).prev_sample.to(torch.float32)
             if callback_on_step_end is not None:
-                available = {"latents": latents}
-                callback_kwargs = {name: available[name] for name in tensor_inputs}
+                callback_kwargs = {}
+                for name in callback_on_step_end_tensor_inputs:
+                    callback_kwargs[name] = locals()[name]
                 callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
                 latents = callback_outputs.pop("latents", latents)
+                class_labels = callback_outputs.pop("class_labels", class_labels)
 
         if output_type == "latent":
             images = latents
