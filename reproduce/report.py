@@ -289,8 +289,8 @@ def recipe_section(store: ResultStore, folder: str) -> tuple[list[str], dict]:
     for r in rows:
         groups.setdefault(names[(r["config"]["variant"], r["config"]["uncertainty"])], []).append(r)
     lines = [
-        "| recipe | seeds | params | FD @ half (CPU s) | FD @ end (CPU s) | ± (2 sets) | loss spikes |",
-        "|---|---|---|---|---|---|---|",
+        "| recipe | seeds | params | FD @ half (CPU s) | FD @ end (CPU s) | ± (2 sets) |",
+        "|---|---|---|---|---|---|",
     ]
     figure = new_figure(7, 4.5)
     axes = figure.add_subplot(1, 1, 1)
@@ -313,7 +313,7 @@ def recipe_section(store: ResultStore, folder: str) -> tuple[list[str], dict]:
                     )
         lines.append(
             f"| {name} | {len(group)} | {group[0]['params'] / 1e6:.2f} M | {' | '.join(cells)} "
-            f"| {mean_sd([g['final_fd_halfdiff'] for g in group], 2)} | {sum(g['loss_spikes'] for g in group)} |"
+            f"| {mean_sd([g['final_fd_halfdiff'] for g in group], 2)} |"
         )
     axes.set_xlabel("training CPU seconds (1 thread)")
     axes.set_ylabel("FD-FMNISTNet")
@@ -336,13 +336,43 @@ def lsc_section(store: ResultStore) -> list[str]:
     groups = {}
     for r in rows:
         groups.setdefault(r["config"]["lsc"], []).append(r)
-    lines = ["| method | seeds | loss (last 25%) | loss spikes | FD @ end |", "|---|---|---|---|---|"]
+    lines = ["| method | seeds | EDM2 loss (last 25%) | FD @ end |", "|---|---|---|---|"]
     for method, group in groups.items():
         lines.append(
             f"| {label(method)} | {len(group)} | {mean_sd([g['loss_tail'] for g in group], 4)} "
-            f"| {sum(g['loss_spikes'] for g in group)} | {mean_sd([g['final_fd'] for g in group], 1)} |"
+            f"| {mean_sd([g['final_fd'] for g in group], 1)} |"
         )
     return lines
+
+
+def budget_section(store: ResultStore) -> list[str]:
+    """CPU time actually spent per table (one thread; whole runs including sampling and the metric)."""
+    groups: dict[str, list[dict]] = {}
+    for r in store.rows("scalelong_sweep"):
+        groups.setdefault("1. instability sweep", []).append(r)
+    for r in store.rows("scalelong_compare"):
+        groups.setdefault(f"2. ScaleLong comparison, {r['config']['regime']}", []).append(r)
+    for r in store.rows("edm2_runs"):
+        c = r["config"]
+        if c["lsc"] != "none" or (c["variant"] == "edm2" and c["steps"] != max_steps(store)):
+            name = "2. ScaleLong inside the EDM2 UNet"
+        elif c["variant"] == "unet2d_edm" or c.get("posthoc"):
+            name = "3-4. magnitudes + post-hoc EMA (and recipe)"
+        else:
+            name = "5. uncertainty + recipe"
+        groups.setdefault(name, []).append(r)
+    lines = ["| table | runs | CPU minutes (1 thread) | finished (UTC) |", "|---|---|---|---|"]
+    for name in sorted(groups):
+        rows = groups[name]
+        minutes = sum(r.get("run_cpu_s", r["train_cpu_s"]) for r in rows) / 60
+        times = sorted(r["finished_utc"] for r in rows if "finished_utc" in r)
+        span = f"{times[0]} to {times[-1][-5:]}" if times else "-"
+        lines.append(f"| {name} | {len(rows)} | {minutes:.1f} | {span} |")
+    return lines
+
+
+def max_steps(store: ResultStore) -> int:
+    return max((r["config"]["steps"] for r in store.rows("edm2_runs")), default=0)
 
 
 def fd_noise(store: ResultStore) -> dict:
@@ -401,6 +431,7 @@ def build_report(out: str, report_path: str) -> str:
     posthoc, posthoc_data = posthoc_section(store, out, noise)
     recipe, recipe_groups = recipe_section(store, out)
     lsc = lsc_section(store)
+    budget = budget_section(store)
     summary_figure(out, {"unstable": unstable_stats, "stable": stable_stats}, posthoc_data, recipe_groups)
     context = {
         "store": store,
@@ -422,6 +453,7 @@ def build_report(out: str, report_path: str) -> str:
             "posthoc": posthoc,
             "recipe": recipe,
             "lsc": lsc,
+            "budget": budget,
         },
     )
     temporary = report_path + ".tmp"
