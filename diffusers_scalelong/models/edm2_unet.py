@@ -17,6 +17,7 @@ from torch import nn
 
 from ..edm2.presets import EDM2_PRESETS, EDM2Preset, get_edm2_preset
 from ..layers.mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
+from ..layers.mp_casting import MPLayerwiseCastingMixin
 from ..scalelong.loading import LongSkipScalingLoaderMixin
 from ..scalelong.scaling import LongSkipScaling
 from ..scalelong.skips import LongSkip, LongSkipLayout
@@ -24,7 +25,7 @@ from ..scalelong.skips import LongSkip, LongSkipLayout
 __all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel"]
 
 
-class EDM2UNet2DModel(LongSkipScalingLoaderMixin, ModelMixin, ConfigMixin):
+class EDM2UNet2DModel(LongSkipScalingLoaderMixin, MPLayerwiseCastingMixin, ModelMixin, ConfigMixin):
     """EDM2 magnitude-preserving UNet, the raw network ``F(c_in x, c_noise, class_labels) -> UNet2DOutput``.
 
     Args:
