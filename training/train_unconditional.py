@@ -7,6 +7,11 @@ with a diffusers noise scheduler) or ``edm2`` (log-normal sigma, EDM preconditio
 (0.9, 0.99), inverse-square-root lr). Post-hoc EMA snapshots (``--ema_sigma_rels --snapshot_every``), exact resume
 (``--resume_from_checkpoint latest``) and several processes (``accelerate launch --num_processes N``).
 
+Latent training (``--recipe edm2``): with ``--vae`` (or the VAE of a pretrained EDM2 pipeline, e.g. one converted
+from NVIDIA's pickles by ``scalelong-convert-edm2``) the model learns EDM2-normalised VAE latents; the VAE's moments
+of every image are computed once into ``--latent_cache_dir`` (``--no-cache_latents``: each batch is encoded). A
+pretrained EDM2 pipeline also hands over its learned-uncertainty head and ``sigma_data``.
+
 Example (the embedded Fashion-MNIST, EDM2 recipe with ScaleLong and post-hoc EMA)::
 
     python training/train_unconditional.py --output_dir out --model edm2 --recipe edm2 --lsc cs --kappa 0.7 \
@@ -19,15 +24,20 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
+from diffusers import AutoencoderKL
 
 from diffusers_scalelong.data import ImageTransform
 from diffusers_scalelong.edm2.presets import get_edm2_preset
 from diffusers_scalelong.trainer import (
     MODEL_TYPES,
     RECIPES,
+    VAE_PIXEL_RANGES,
+    CachedLatents,
     Checkpoint,
     DDPMRecipe,
     EDM2Recipe,
+    LatentCodec,
+    PretrainedEDM2Parts,
     TrainingImages,
     TrainingJob,
     add_lsc_args,
@@ -35,8 +45,10 @@ from diffusers_scalelong.trainer import (
     build_edm2,
     build_unet2d,
     build_uvit,
+    cache_latent_moments,
     ensure_writable_dir,
     infer_channels,
+    load_pretrained_edm2_parts,
     load_pretrained_unet,
     load_training_dataset,
     make_noise_scheduler,
@@ -211,6 +223,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--class_conditional", action="store_true", help="condition on the dataset's class labels (edm2 recipe)"
     )
     data.add_argument("--max_train_samples", type=positive_int, default=None, help="use only the first N images")
+
+    latent = parser.add_argument_group("latent training (edm2 recipe)")
+    latent.add_argument(
+        "--vae",
+        default=None,
+        help="train on the latents of this AutoencoderKL (local folder or Hub id; its config needs latents_mean / "
+        "latents_std); default: the VAE of an EDM2 --pretrained_model_name_or_path that has one. --resolution "
+        "stays the pixel resolution",
+    )
+    latent.add_argument(
+        "--vae_pixel_range",
+        choices=tuple(VAE_PIXEL_RANGES),
+        default=None,
+        help="pixel range the VAE works in (default: the pretrained pipeline's, else [-1, 1]; EDM2's models: [0, 1])",
+    )
+    latent.add_argument(
+        "--cache_latents",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="encode every image once (needs --center_crop, no --random_flip) into --latent_cache_dir; "
+        "--no-cache_latents encodes every batch",
+    )
+    latent.add_argument("--latent_cache_dir", default=None, help="latent cache folder (default: OUTPUT_DIR/latents)")
     add_training_args(parser, default_batch_size=32)
     return parser
 
@@ -237,14 +272,15 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--max_grad_norm must be >= 0 (0 disables clipping)")
 
 
-def build_model(args: argparse.Namespace, channels: int, classes: int | None) -> torch.nn.Module:
-    """The UNet to train (from scratch or pretrained), before any wrapping by the recipe."""
+def build_model(args: argparse.Namespace, channels: int, classes: int | None, resolution: int) -> torch.nn.Module:
+    """The UNet to train (from scratch or pretrained) at ``resolution`` (pixels, or latents of a VAE), before any
+    wrapping by the recipe."""
     if args.pretrained_model_name_or_path:
         return load_pretrained_unet(args.pretrained_model_name_or_path, args.lsc, args.kappa)
     if args.model in ("unet2d", "scalelong_unet2d"):
         return build_unet2d(
             scalelong=args.model == "scalelong_unet2d",
-            resolution=args.resolution,
+            resolution=resolution,
             channels=channels,
             block_out_channels=tuple(args.block_out_channels),
             layers_per_block=args.layers_per_block or 2,
@@ -258,7 +294,7 @@ def build_model(args: argparse.Namespace, channels: int, classes: int | None) ->
     if args.model == "edm2":
         preset = args.edm2_preset
         return build_edm2(
-            resolution=args.resolution,
+            resolution=resolution,
             channels=channels,
             preset=preset,
             model_channels=args.model_channels or (None if preset else 32),
@@ -272,7 +308,7 @@ def build_model(args: argparse.Namespace, channels: int, classes: int | None) ->
             channels_per_head=args.channels_per_head,
         )
     return build_uvit(
-        resolution=args.resolution,
+        resolution=resolution,
         channels=channels,
         patch_size=args.uvit_patch_size,
         embed_dim=args.uvit_embed_dim,
@@ -284,9 +320,16 @@ def build_model(args: argparse.Namespace, channels: int, classes: int | None) ->
     )
 
 
-def build_recipe(args: argparse.Namespace):
+def build_recipe(args: argparse.Namespace, parts: PretrainedEDM2Parts, codec: LatentCodec | None):
     if args.recipe == "edm2":
-        return EDM2Recipe(P_mean=args.P_mean, P_std=args.P_std)
+        return EDM2Recipe(
+            P_mean=args.P_mean,
+            P_std=args.P_std,
+            sigma_data=parts.sigma_data or 0.5,
+            uncertainty=parts.uncertainty,
+            vae=codec.vae if codec else None,
+            vae_pixel_range=codec.pixel_range if codec else "[-1, 1]",
+        )
     scheduler = make_noise_scheduler(
         args.noise_scheduler, args.ddpm_num_steps, args.ddpm_beta_schedule, args.prediction_type
     )
@@ -326,29 +369,67 @@ def prepare_run(args: argparse.Namespace):
         allow_upscaling=args.allow_upscaling,
         max_train_samples=args.max_train_samples,
     )
-    channels = infer_channels(dataset)
+    parts = PretrainedEDM2Parts()
+    if args.pretrained_model_name_or_path and args.recipe == "edm2":
+        parts = load_pretrained_edm2_parts(args.pretrained_model_name_or_path)
+    codec = latent_codec(args, parts)
+    channels = codec.vae.config.latent_channels if codec else infer_channels(dataset)
     classes = num_classes(dataset) if args.class_conditional else None
-    recipe = build_recipe(args)
+    recipe = build_recipe(args, parts, codec)
     set_seed(args.seed)  # identical initial weights on every process
-    unet = build_model(args, channels, classes)
+    unet = build_model(args, channels, classes, args.resolution // codec.downsampling if codec else args.resolution)
     if resume_from is not None:
         resume_from.check_matches("unet", unet)
-    return output_dir, resume_from, dataset, channels, recipe, unet
+    return output_dir, resume_from, dataset, recipe, unet, codec
+
+
+def latent_codec(args: argparse.Namespace, parts: PretrainedEDM2Parts) -> LatentCodec | None:
+    """The VAE to train on (``--vae``, else a pretrained EDM2 pipeline's) with its normalisation; None for pixels."""
+    if args.vae is None and parts.vae is None:
+        if args.vae_pixel_range is not None:
+            raise ValueError("--vae_pixel_range needs a VAE (--vae, or a pretrained EDM2 pipeline with one)")
+        return None
+    if args.recipe != "edm2":
+        raise ValueError("--vae (latent training) needs --recipe edm2: EDM2Pipeline decodes the latents")
+    try:
+        vae = AutoencoderKL.from_pretrained(args.vae) if args.vae is not None else parts.vae
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--vae {args.vae!r} could not be loaded as an AutoencoderKL: {error}") from error
+    codec = LatentCodec(vae, args.vae_pixel_range or parts.vae_pixel_range or "[-1, 1]")
+    if args.resolution % codec.downsampling:
+        raise ValueError(f"--resolution {args.resolution} must be a multiple of the VAE's {codec.downsampling}x scale")
+    if args.cache_latents and (args.random_flip or not args.center_crop):
+        raise ValueError(
+            "--cache_latents encodes each image once: it needs --center_crop and no --random_flip "
+            "(or pass --no-cache_latents to encode every batch)"
+        )
+    return codec
 
 
 def train(args: argparse.Namespace) -> Path:
-    output_dir, resume_from, dataset, channels, recipe, unet = prepare_run(args)
+    output_dir, resume_from, dataset, recipe, unet, codec = prepare_run(args)
+    channels = codec.vae.config.in_channels if codec else infer_channels(dataset)
     transform = ImageTransform(
         args.resolution, center_crop=args.center_crop, random_flip=args.random_flip, channels=channels
     )
+    images = TrainingImages(dataset, transform, with_labels=args.class_conditional, seed=args.seed)
+    if codec is None:
+        data, model_input = images, lambda batch: batch["pixel_values"]
+    elif args.cache_latents:
+        key = dict(dataset=dataset._fingerprint, rows=len(dataset), resolution=args.resolution, channels=channels)
+        cache = cache_latent_moments(images, codec, args.latent_cache_dir or output_dir / "latents", key)
+        data, model_input = CachedLatents(cache, args.class_conditional), lambda b: codec.sample(b["latent_moments"])
+    else:
+        data, model_input = images, lambda batch: codec.sample(codec.moments(batch["pixel_values"]))
     job = TrainingJob(
         module=recipe.wrap(unet),
         unet=unet,
-        dataset=TrainingImages(dataset, transform, with_labels=args.class_conditional, seed=args.seed),
-        loss=lambda module, batch: recipe.loss(module, batch["pixel_values"], batch.get("class_labels")),
+        dataset=data,
+        loss=lambda module, batch: recipe.loss(module, model_input(batch), batch.get("class_labels")),
         make_lr_scheduler=lambda optimizer, max_steps: build_lr_scheduler(args, optimizer, max_steps),
         make_pipeline=recipe.pipeline,
         sample=None if args.class_conditional else recipe.sample,
+        frozen=[codec.vae] if codec else [],
         zero_nonfinite_grads=args.recipe == "edm2",
         tracker_name="train_unconditional",
         description=f"recipe {args.recipe}",

@@ -8,16 +8,20 @@
 - ``rng``: random streams that survive a resume exactly;
 - ``checkpoint``: :class:`Checkpoint`, the resumable ``checkpoint-<step>`` folder and its layout;
 - ``image_grid``: PNG sample grids; ``output``: the output folder, the final pipeline, the Hub upload;
-- ``loop``: the Accelerate training loop (:func:`run_training`).
+- ``loop``: the Accelerate training loop (:func:`run_training`);
+- ``latents``: latent training data (EDM2's latent normalisation, the cached VAE moments);
+- ``pretrained_edm2``: the uncertainty head, ``sigma_data`` and VAE a pretrained EDM2 pipeline brings to fine-tuning.
 """
 
 from ..scalelong.upgrade import load_model_config, load_pretrained_unet
 from .checkpoint import Checkpoint, checkpoint_step
 from .image_grid import make_image_grid, save_image_atomic, save_image_grid
+from .latents import VAE_PIXEL_RANGES, CachedLatents, LatentCodec, cache_latent_moments
 from .loop import TrainingDiverged, TrainingJob, run_script_main, run_training
 from .model_builders import MODEL_TYPES, build_edm2, build_unet2d, build_uvit
 from .options import add_lsc_args, add_training_args, positive_float, positive_int, validate_training_args
 from .output import ensure_writable_dir, push_run_to_hub, save_pipeline_atomic
+from .pretrained_edm2 import PretrainedEDM2Parts, load_pretrained_edm2_parts
 from .recipes import RECIPES, DDPMRecipe, EDM2Recipe, images_from_numpy, make_noise_scheduler
 from .rng import TrainingRNG, item_generator
 from .training_ema import TrainingEMA, count_parameters
@@ -31,12 +35,16 @@ from .training_images import (
 )
 
 __all__ = [
+    "VAE_PIXEL_RANGES",
+    "CachedLatents",
     "CaptionedImages",
     "Checkpoint",
     "MODEL_TYPES",
     "RECIPES",
     "DDPMRecipe",
     "EDM2Recipe",
+    "LatentCodec",
+    "PretrainedEDM2Parts",
     "TrainingDiverged",
     "TrainingEMA",
     "TrainingImages",
@@ -47,6 +55,7 @@ __all__ = [
     "build_edm2",
     "build_unet2d",
     "build_uvit",
+    "cache_latent_moments",
     "checkpoint_step",
     "count_parameters",
     "ensure_writable_dir",
@@ -55,6 +64,7 @@ __all__ = [
     "item_generator",
     "load_captioned_dataset",
     "load_model_config",
+    "load_pretrained_edm2_parts",
     "load_pretrained_unet",
     "load_training_dataset",
     "make_image_grid",

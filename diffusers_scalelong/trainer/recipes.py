@@ -81,23 +81,37 @@ class EDM2Recipe:
     """EDM2 (Karras et al. 2024): ``ln sigma ~ N(P_mean, P_std^2)``, EDM preconditioning around the raw UNet ``F``,
     loss ``(w(sigma) / exp(u(sigma))) ||D(y + n; sigma) - y||^2 + u(sigma)`` with a learned uncertainty ``u``.
 
-    The module that is trained is ``EDMPreconditioner(unet, LearnedUncertainty)``; the pipeline holds the UNet and an
-    EDM sampler (the preconditioning lives in the scheduler).
+    The module that is trained is ``EDMPreconditioner(unet, LearnedUncertainty)`` (a given ``uncertainty`` head, e.g.
+    an imported network's, or a new one); the pipeline holds the UNet, an EDM sampler (the preconditioning lives in
+    the scheduler) and, for latent models, the ``vae`` working in ``vae_pixel_range``.
     """
 
     name = "edm2"
 
-    def __init__(self, P_mean: float = -0.8, P_std: float = 1.6, sigma_data: float = 0.5, logvar_channels: int = 128):
+    def __init__(
+        self,
+        P_mean: float = -0.8,
+        P_std: float = 1.6,
+        sigma_data: float = 0.5,
+        logvar_channels: int = 128,
+        uncertainty: torch.nn.Module | None = None,
+        vae: torch.nn.Module | None = None,
+        vae_pixel_range: str = "[-1, 1]",
+    ):
         from ..edm2 import EDM2Loss
 
         self.loss_fn = EDM2Loss(P_mean=P_mean, P_std=P_std, sigma_data=sigma_data)
         self.sigma_data = sigma_data
         self.logvar_channels = logvar_channels
+        self.uncertainty = uncertainty
+        self.vae = vae
+        self.vae_pixel_range = vae_pixel_range
 
     def wrap(self, unet: torch.nn.Module) -> torch.nn.Module:
         from ..edm2 import EDMPreconditioner, LearnedUncertainty
 
-        return EDMPreconditioner(unet, LearnedUncertainty(self.logvar_channels), sigma_data=self.sigma_data)
+        uncertainty = self.uncertainty if self.uncertainty is not None else LearnedUncertainty(self.logvar_channels)
+        return EDMPreconditioner(unet, uncertainty, sigma_data=self.sigma_data)
 
     def loss(
         self, denoiser: torch.nn.Module, images: torch.Tensor, class_labels: torch.Tensor | None = None
@@ -113,7 +127,7 @@ class EDM2Recipe:
     def pipeline(self, unet: torch.nn.Module):
         from ..pipelines import EDM2Pipeline
 
-        return EDM2Pipeline(unet=unet, scheduler=self.scheduler())
+        return EDM2Pipeline(unet=unet, scheduler=self.scheduler(), vae=self.vae, vae_pixel_range=self.vae_pixel_range)
 
     @torch.no_grad()
     def sample(self, unet: torch.nn.Module, num_images: int, seed: int, num_inference_steps: int) -> torch.Tensor:

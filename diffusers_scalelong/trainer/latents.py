@@ -1,0 +1,124 @@
+"""Latent-space training data: EDM2's per-channel latent normalisation and a disk cache of the VAE's moments.
+
+EDM2 trains latent models on ``x = (z - mean) * scaling_factor / std`` per channel, with ``z ~ N(mu, s^2)`` drawn
+from the VAE's posterior of the image each time the image is used; its dataset tool computes ``(mu, s)`` of every
+image once. :class:`LatentCodec` holds the VAE, the statistics of its config (``latents_mean``, ``latents_std``,
+``scaling_factor``, see ``set_edm2_latent_scaling``) and the pixel range the VAE works in (``"[-1, 1]"`` or
+EDM2's ``"[0, 1]"``); :func:`cache_latent_moments` writes the moments of a dataset once, to a safetensors file named
+by a key of everything that determines them, and :class:`CachedLatents` serves them to the training loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..atomic import atomic_path
+from ..pipelines.edm2_pipeline import VAE_PIXEL_RANGES
+
+__all__ = ["VAE_PIXEL_RANGES", "CachedLatents", "LatentCodec", "cache_latent_moments"]
+
+
+class LatentCodec:
+    """A frozen VAE with EDM2's latent normalisation: pixels in [-1, 1] -> moments ``[mu, s]`` -> normalised latents."""
+
+    def __init__(self, vae: AutoencoderKL, pixel_range: str = "[-1, 1]"):
+        config = vae.config
+        if getattr(config, "latents_mean", None) is None or getattr(config, "latents_std", None) is None:
+            raise ValueError(
+                "--vae: the VAE's config has no latents_mean / latents_std; use the VAE of an EDM2 pipeline or set "
+                "them with set_edm2_latent_scaling"
+            )
+        if pixel_range not in VAE_PIXEL_RANGES:
+            raise ValueError(f"VAE pixel range must be one of {list(VAE_PIXEL_RANGES)}, got {pixel_range!r}")
+        self.vae = vae.eval().requires_grad_(False)
+        self.pixel_range = pixel_range
+        self.mean = torch.tensor(config.latents_mean, dtype=torch.float32).reshape(1, -1, 1, 1)
+        self.std = torch.tensor(config.latents_std, dtype=torch.float32).reshape(1, -1, 1, 1)
+        self.scaling_factor = float(config.scaling_factor)
+
+    @property
+    def downsampling(self) -> int:
+        """Pixels per latent along each side."""
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @torch.no_grad()
+    def moments(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[mu, s]`` (2C channels, float32) of the VAE's posterior for images in [-1, 1]."""
+        low, high = VAE_PIXEL_RANGES[self.pixel_range]
+        pixels = (pixels.float() + 1) * ((high - low) / 2) + low
+        posterior = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist
+        return torch.cat([posterior.mean, posterior.std], dim=1).float()
+
+    def sample(self, moments: torch.Tensor) -> torch.Tensor:
+        """Normalised latents ``(mu + s n - mean) * scaling_factor / std`` with ``n`` from torch's generator."""
+        mu, s = moments.float().chunk(2, dim=1)
+        z = mu + torch.randn_like(mu) * s
+        return (z - self.mean.to(z.device)) * (self.scaling_factor / self.std.to(z.device))
+
+    def describe(self) -> dict[str, Any]:
+        """What determines the moments: the VAE's config, its weights' checksum and the pixel range."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.vae.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().float().numpy().tobytes())
+        config = {k: v for k, v in self.vae.config.items() if not k.startswith("_")}
+        return {"vae_config": config, "vae_weights_sha256": digest.hexdigest(), "pixel_range": self.pixel_range}
+
+
+def cache_latent_moments(
+    images: torch.utils.data.Dataset,
+    codec: LatentCodec,
+    cache_dir: str | os.PathLike,
+    key_fields: dict[str, Any],
+    batch_size: int = 16,
+) -> Path:
+    """The moments of every item of ``images`` (``{"pixel_values", ["class_labels"]}``, deterministic transform),
+    computed once into ``cache_dir/latents-<key>.safetensors`` with a progress bar; later calls with the same key
+    (the data description ``key_fields`` and the codec) return the existing file."""
+    fields = {**key_fields, **codec.describe()}
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"latents-{key}.safetensors"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    loader = torch.utils.data.DataLoader(images, batch_size=batch_size, shuffle=False)
+    moments, labels = [], []
+    for batch in tqdm(loader, desc="encoding latents", unit="batch"):
+        moments.append(codec.moments(batch["pixel_values"]))
+        if "class_labels" in batch:
+            labels.append(batch["class_labels"])
+    tensors = {"moments": torch.cat(moments).contiguous()}
+    if labels:
+        tensors["class_labels"] = torch.cat(labels).contiguous()
+    with atomic_path(path) as temporary:
+        save_file(tensors, str(temporary), metadata={"cache_key": json.dumps(fields, sort_keys=True, default=str)})
+    return path
+
+
+class CachedLatents(torch.utils.data.Dataset):
+    """Items ``{"latent_moments": [2C, h, w]}`` (plus ``"class_labels"``) from a :func:`cache_latent_moments` file."""
+
+    def __init__(self, path: str | os.PathLike, with_labels: bool = False):
+        tensors = load_file(str(path))
+        self.moments = tensors["moments"]
+        self.labels = tensors.get("class_labels") if with_labels else None
+        if with_labels and self.labels is None:
+            raise ValueError(f"{path} holds no class labels: it was cached without --class_conditional")
+
+    def __len__(self) -> int:
+        return len(self.moments)
+
+    def __getitem__(self, index: int) -> dict:
+        item = {"latent_moments": self.moments[int(index)]}
+        if self.labels is not None:
+            item["class_labels"] = self.labels[int(index)]
+        return item

@@ -1,0 +1,56 @@
+"""What a pretrained EDM2 pipeline brings to fine-tuning besides its UNet.
+
+A pipeline folder written by the EDM2 converter (or by ``EDMPreconditioner.save_pretrained`` beside a pipeline)
+holds the preconditioner layout (``uncertainty/`` and ``preconditioner_config.json`` with ``sigma_data``) next to
+``unet/``, and latent models a ``vae/`` whose pixel range ``model_index.json`` records (``vae_pixel_range``).
+Fine-tuning continues from that uncertainty head with that ``sigma_data`` and trains on that VAE's latents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffusers import AutoencoderKL
+from huggingface_hub import snapshot_download
+
+from ..edm2 import EDMPreconditioner, LearnedUncertainty
+from ..edm2.precond import PRECONDITIONER_CONFIG
+
+__all__ = ["PretrainedEDM2Parts", "load_pretrained_edm2_parts"]
+
+
+@dataclass
+class PretrainedEDM2Parts:
+    """The uncertainty head, ``sigma_data``, VAE and VAE pixel range of a pretrained pipeline (None: not there)."""
+
+    uncertainty: LearnedUncertainty | None = None
+    sigma_data: float | None = None
+    vae: AutoencoderKL | None = None
+    vae_pixel_range: str | None = None
+
+
+def _local_folder(path: str | os.PathLike) -> Path:
+    if Path(path).is_dir():
+        return Path(path)
+    patterns = ["model_index.json", PRECONDITIONER_CONFIG, "uncertainty/*", "vae/*"]
+    return Path(snapshot_download(str(path), allow_patterns=patterns))
+
+
+def load_pretrained_edm2_parts(path: str | os.PathLike) -> PretrainedEDM2Parts:
+    """Read the parts of a local folder or Hub repo; a folder without them gives an empty result."""
+    folder = _local_folder(path)
+    parts = PretrainedEDM2Parts()
+    if (folder / PRECONDITIONER_CONFIG).is_file() and (folder / "uncertainty").is_dir():
+        parts.sigma_data = float(EDMPreconditioner.read_config(folder)["sigma_data"])
+        parts.uncertainty = LearnedUncertainty.from_pretrained(folder / "uncertainty")
+    index_path = folder / "model_index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        entry = index.get("vae")
+        if isinstance(entry, list) and entry[0] is not None and (folder / "vae").is_dir():
+            parts.vae = AutoencoderKL.from_pretrained(folder / "vae")
+            parts.vae_pixel_range = index.get("vae_pixel_range", "[-1, 1]")
+    return parts
