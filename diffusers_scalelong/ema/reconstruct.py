@@ -192,7 +192,27 @@ def reconstruct_ema(
     accumulate_dtype: torch.dtype | str = torch.float32,
     progress: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """Reconstructed model ``state_dict``s, one per target sigma_rel, at ``target_time`` (default: newest)."""
+    """Reconstructed model ``state_dict``s, one per target sigma_rel, at ``target_time`` (default: newest).
+
+    Examples:
+        >>> import tempfile
+        >>> import torch
+        >>> from diffusers_scalelong import PowerFunctionEMA, reconstruct_ema
+        >>> model = torch.nn.Linear(2, 1)
+        >>> ema = PowerFunctionEMA(model, sigma_rels=(0.05, 0.10))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     for step in range(1, 101):
+        ...         with torch.no_grad():
+        ...             _ = model.weight.fill_(step / 100)  # stands for an optimiser step
+        ...         ema.update(model, step)
+        ...         if step % 20 == 0:  # a snapshot of both profiles every 20 steps
+        ...             _ = ema.save_snapshots(folder, step, is_main_process=True)
+        ...     short, long = reconstruct_ema(folder, target_sigma_rels=[0.03, 0.15])
+        >>> sorted(short)  # a state_dict for the model
+        ['bias', 'weight']
+        >>> bool(long["weight"][0, 0] < short["weight"][0, 0] < 1)  # a longer EMA lags further behind the weights
+        True
+    """
     plan = plan_reconstruction(snapshots, target_sigma_rels, target_time)
     return _accumulate(plan, _accumulate_dtype(accumulate_dtype), storage_dtype(dtype), progress)
 

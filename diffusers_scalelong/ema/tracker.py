@@ -73,6 +73,23 @@ class PowerFunctionEMA:
         sigma_rels: relative widths of the tracked profiles, each in (0, sqrt(1/12)).
         device: where the float32 averages live (default: next to each parameter), e.g. ``"cpu"``.
         time_unit: what ``step`` counts (``"steps"`` or ``"images"``), recorded in snapshots.
+
+    Examples:
+        >>> import tempfile
+        >>> import torch
+        >>> from diffusers_scalelong import PowerFunctionEMA
+        >>> model = torch.nn.Linear(2, 1)
+        >>> ema = PowerFunctionEMA(model, sigma_rels=(0.05, 0.10))
+        >>> for step in range(1, 11):
+        ...     with torch.no_grad():
+        ...         _ = model.weight.fill_(float(step))  # stands for an optimiser step
+        ...     ema.update(model, step)
+        >>> averaged = ema.averaged_state_dict(0.10)["weight"]
+        >>> bool(1 < averaged[0, 0] < 10)  # an average of the weights 1 ... 10, weighted towards the newest
+        True
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     len(ema.save_snapshots(folder, step=10, is_main_process=True))  # one file per profile
+        2
     """
 
     def __init__(

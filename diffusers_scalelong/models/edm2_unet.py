@@ -46,6 +46,18 @@ class EDM2UNet2DModel(LongSkipScalingLoaderMixin, MPLayerwiseCastingMixin, Model
             ``ChannelGate(skip)`` in (0, 1) with reduction ``lsc_reduction``) multiplies the skip's weight inside
             ``mp_cat`` before its joint normalisation: ``mp_cat(x, skip, t=concat_balance, b_scale=kappa_i)``, so
             the decoder input keeps unit magnitude while the skip's share shrinks. ``"none"`` is exactly EDM2.
+
+    Examples:
+        >>> import torch
+        >>> from diffusers_scalelong import EDM2UNet2DModel
+        >>> unet = EDM2UNet2DModel(
+        ...     sample_size=8, in_channels=1, model_channels=8, channel_mult=(1, 2), layers_per_block=1,
+        ...     num_class_embeds=3, channels_per_head=8, lsc_method="cs", lsc_kappa=0.7,
+        ... )
+        >>> x = torch.randn(2, 1, 8, 8, generator=torch.manual_seed(0))
+        >>> c_noise = torch.log(torch.tensor([0.5, 2.0])) / 4  # EDM's c_noise = ln(sigma) / 4
+        >>> unet(x, c_noise, class_labels=torch.tensor([0, 2])).sample.shape
+        torch.Size([2, 1, 8, 8])
     """
 
     _supports_gradient_checkpointing = True

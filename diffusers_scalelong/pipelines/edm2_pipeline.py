@@ -302,6 +302,23 @@ class EDM2Pipeline(DiffusionPipeline):
             callback_on_step_end_tensor_inputs: names passed in ``callback_kwargs`` (subset of
                 ``["latents", "class_labels"]``; default ``["latents"]``); a ``PipelineCallback`` brings its own
                 ``tensor_inputs``.
+
+        Examples:
+            >>> import torch
+            >>> from diffusers_scalelong import EDM2Pipeline, EDM2UNet2DModel, EDMHeunScheduler
+            >>> unet = EDM2UNet2DModel(
+            ...     sample_size=8, in_channels=1, model_channels=8, channel_mult=(1, 2), layers_per_block=1, num_class_embeds=3,
+            ...     channels_per_head=8,
+            ... )
+            >>> pipe = EDM2Pipeline(unet=unet, scheduler=EDMHeunScheduler())
+            >>> pipe.set_progress_bar_config(disable=True)
+            >>> images = pipe(
+            ...     class_labels=[0, 2], num_inference_steps=3, generator=torch.manual_seed(0), output_type="pt"
+            ... ).images
+            >>> images.shape  # one image per class label, in [0, 1]
+            torch.Size([2, 1, 8, 8])
+            >>> bool(images.min() >= 0 and images.max() <= 1)
+            True
         """
         if isinstance(callback_on_step_end, PipelineCallback | MultiPipelineCallbacks):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs

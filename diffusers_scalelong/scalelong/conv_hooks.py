@@ -84,6 +84,27 @@ def apply_lsc(unet: nn.Module, method: str, kappa: float = 0.5, reduction: int =
     Replaces any scaling installed before. The LS gates are new parameters named ``lsc.gates.*``; a plain
     ``UNet2DModel`` does not record the method in its config (use the ``ScaleLong*`` classes for that), while a
     ScaleLong model's config is updated so that ``save_pretrained`` keeps the new method.
+
+    Examples:
+        >>> import torch
+        >>> from diffusers import UNet2DModel
+        >>> from diffusers_scalelong import apply_lsc, remove_lsc
+        >>> unet = UNet2DModel(
+        ...     sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16), layers_per_block=1,
+        ...     down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+        ...     norm_num_groups=4,
+        ... )
+        >>> x, t = torch.randn(1, 1, 8, 8, generator=torch.manual_seed(0)), torch.tensor([10])
+        >>> with torch.no_grad():
+        ...     plain = unet(x, t).sample
+        >>> _ = apply_lsc(unet, "cs", kappa=0.5)  # skip i is multiplied by 0.5 ** (i - 1)
+        >>> with torch.no_grad():
+        ...     torch.equal(unet(x, t).sample, plain)
+        False
+        >>> _ = remove_lsc(unet)
+        >>> with torch.no_grad():
+        ...     torch.equal(unet(x, t).sample, plain)
+        True
     """
     install_conv_lsc(unet, method, kappa, reduction)
     if "lsc_method" in getattr(unet, "config", {}):

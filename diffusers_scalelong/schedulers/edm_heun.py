@@ -73,6 +73,21 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
         S_min: smallest sigma that receives churn.
         S_max: largest sigma that receives churn; ``None`` means no upper bound.
         S_noise: scale of the churn noise (EDM: slightly above 1 compensates detail loss).
+
+    Examples:
+        >>> import torch
+        >>> from diffusers_scalelong import EDMHeunScheduler
+        >>> scheduler = EDMHeunScheduler(sigma_min=0.002, sigma_max=80.0, sigma_data=0.5)
+        >>> scheduler.set_timesteps(num_inference_steps=3)
+        >>> len(scheduler.timesteps)  # 2N - 1 network evaluations
+        5
+        >>> sample = torch.randn(1, 1, 4, 4, generator=torch.manual_seed(0)) * scheduler.init_noise_sigma
+        >>> for t in scheduler.timesteps:
+        ...     model_input = scheduler.scale_model_input(sample, t)  # c_in(sigma) x
+        ...     model_output = torch.zeros_like(sample)  # F(c_in x, c_noise) of a network; 0 here
+        ...     sample = scheduler.step(model_output, t, sample).prev_sample
+        >>> float(scheduler.sigmas[-1])  # the last step lands on sigma = 0
+        0.0
     """
 
     _compatibles = ["EDMEulerScheduler", "EDMDPMSolverMultistepScheduler"]
