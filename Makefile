@@ -1,12 +1,13 @@
 # Two entry points, each doing its own set-up in a virtual environment:
 #   make demo   train a small diffusion model on the embedded Fashion-MNIST data, write samples and the metric
 #   make test   run the default test suite (make test-slow adds the long tests)
+# make docs builds the documentation site (docs/, mkdocs.yml) into outputs/site, failing on any warning.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 OUTPUT_DIR ?= outputs/demo
 
-.PHONY: setup demo test test-slow lint bench clean
+.PHONY: setup demo test test-slow lint docs bench clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +32,11 @@ test: setup
 
 test-slow: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow -n 2
+
+# The docs extra is installed on first use.
+docs: setup
+	@$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/python -m pip install -qq -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: setup
 	$(BIN)/ruff check .
