@@ -1,6 +1,7 @@
 """Helpers for the training-script tests: run the scripts as real subprocesses with tiny settings."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -50,10 +51,28 @@ def load_script_module(script: Path):
     return module
 
 
-def tensors_equal(file_a: Path, file_b: Path) -> None:
-    """Assert two safetensors files hold bit-identical tensors under the same names, with the same metadata."""
+def _without_run_id(metadata: dict[str, str] | None) -> dict:
+    """Header metadata with JSON values parsed and their ``run_id`` removed."""
+    parsed = {}
+    for key, value in (metadata or {}).items():
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+        if isinstance(value, dict):
+            value = {name: field for name, field in value.items() if name != "run_id"}
+        parsed[key] = value
+    return parsed
+
+
+def tensors_equal(file_a: Path, file_b: Path, same_run: bool = True) -> None:
+    """Assert two safetensors files hold bit-identical tensors under the same names, with the same metadata
+    (apart from the run id when ``same_run`` is False: two separate runs that must agree in everything else)."""
     with safe_open(str(file_a), "pt") as handle_a, safe_open(str(file_b), "pt") as handle_b:
-        assert handle_a.metadata() == handle_b.metadata(), f"{file_a} and {file_b} differ in metadata"
+        meta_a, meta_b = handle_a.metadata(), handle_b.metadata()
+    if not same_run:
+        meta_a, meta_b = _without_run_id(meta_a), _without_run_id(meta_b)
+    assert meta_a == meta_b, f"{file_a} and {file_b} differ in metadata"
     a, b = load_file(file_a), load_file(file_b)
     assert a.keys() == b.keys(), f"{file_a} and {file_b} hold different keys"
     for key in a:

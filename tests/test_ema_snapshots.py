@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 import diffusers_scalelong
+from diffusers_scalelong import integrity as integrity_module
 from diffusers_scalelong.ema import PowerFunctionEMA, list_snapshots, parse_snapshot_filename, sigma_rel_to_gamma
-from diffusers_scalelong.ema import snapshots as snapshots_module
 
 
 def test_snapshot_names_metadata_and_tensors(tmp_path):
@@ -94,7 +94,7 @@ def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
             f.write(b"\x00" * 10)  # a few bytes, then the process "dies"
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(snapshots_module, "save_file", dying_save_file)
+    monkeypatch.setattr(integrity_module, "save_file", dying_save_file)
     ema.update(model, 2)
     with pytest.raises(KeyboardInterrupt):
         ema.save_snapshots(tmp_path, 2)
@@ -144,6 +144,7 @@ def test_resume_gives_identical_snapshots(tmp_path):
     straight.run(1, 40)
 
     first = TinyTraining((0.05, 0.10), snapshot_dir=tmp_path / "resumed", snapshot_every=10)
+    first.ema.run_id = straight.ema.run_id  # one run, written twice: the run id is part of the bytes
     first.run(1, 20)
     torch.save({"model": first.model.state_dict(), "optimizer": first.optimizer.state_dict()}, tmp_path / "ckpt.pt")
     first.ema.save_state(tmp_path / "ckpt" / "phema_state.safetensors")

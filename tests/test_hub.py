@@ -128,19 +128,46 @@ def test_snapshots_without_index_are_listed_from_their_headers_by_range_requests
     assert len(reads) == len(local) and all(r["range"] and r["status"] == 206 for r in reads)
 
 
-def test_index_that_contradicts_a_file_is_reported(local_hub, snapshot_folder, tmp_path):
-    repo_id = "tester/phema-stale-index"
+@pytest.mark.parametrize(
+    "lie, match",
+    [
+        ({"sigma_rel": 0.07}, "named 'phema-0000000010-0.050.safetensors' but the index .* records time 10 and sigma_rel 0.07"),
+        ({"content_sha256": "0" * 64}, "records content_sha256='[0-9a-f]{64}', but the index says content_sha256='0{64}'"),
+        ({"filename": "phema-0000000099-0.050.safetensors", "time": 99}, "lists phema/phema-0000000099-0.050.safetensors, which the repository does not hold"),
+    ],
+    ids=["name", "checksum", "missing file"],
+)  # fmt: skip
+def test_index_that_contradicts_a_file_is_reported(local_hub, snapshot_folder, tmp_path, lie, match):
+    repo_id = f"tester/phema-stale-index-{sorted(lie)[0]}"
     hub.push_snapshots(snapshot_folder, repo_id, endpoint=local_hub.endpoint)
     index_path = hf_hub_download(
         repo_id, "phema/phema-index.json", revision="main", endpoint=local_hub.endpoint, cache_dir=tmp_path / "c"
     )
     index = json.loads(open(index_path).read())
-    index["snapshots"][0]["sigma_rel"] = 0.07  # the index now lies about the first file
+    index["snapshots"][0].update(lie)  # the index now lies about the first file
     HfApi(endpoint=local_hub.endpoint).upload_file(
         path_or_fileobj=json.dumps(index).encode(), path_in_repo="phema/phema-index.json", repo_id=repo_id
     )
-    with pytest.raises(ValueError, match="index says"):
+    with pytest.raises(ValueError, match=match):
         hub.pull_snapshots(repo_id, target_time=10, endpoint=local_hub.endpoint, cache_dir=tmp_path / "c2")
+
+
+def test_push_refuses_to_mix_two_runs_and_damaged_files(local_hub, snapshot_folder, tmp_path):
+    repo_id = "tester/phema-two-runs"
+    hub.push_snapshots(snapshot_folder, repo_id, endpoint=local_hub.endpoint)
+    unet = _tiny_unet()
+    other = PowerFunctionEMA(unet, sigma_rels=(0.05,))  # another training run: its own run id
+    other.update(unet, 50)
+    other.save_snapshots(str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="would mix two training runs: .* and phema-0000000050-0.050.safetensors"):
+        hub.push_snapshots(tmp_path / "other", repo_id, endpoint=local_hub.endpoint)
+
+    (damaged,) = (tmp_path / "other").iterdir()
+    data = bytearray(damaged.read_bytes())
+    data[-3] ^= 0x01  # inside the tensor data, which ends the file
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="phema-0000000050-0.050.safetensors is damaged"):
+        hub.push_snapshots(tmp_path / "other", "tester/phema-damaged", endpoint=local_hub.endpoint)
 
 
 def test_snapshot_set_model_card(local_hub, snapshot_folder, tmp_path):

@@ -9,6 +9,9 @@ import time
 import pytest
 from _training_scripts import ROOT, TINY_UNET, TRAIN_UNCONDITIONAL, run_script, script_env, tensors_equal
 
+from diffusers_scalelong.ema import list_snapshots
+from diffusers_scalelong.trainer import Checkpoint
+
 STEPS = 30
 RUN = [*TINY_UNET, "--max_train_steps", STEPS, "--checkpointing_steps", 10, "--seed", 3, "--random_flip"]
 RUN += ["--ema_sigma_rels", "0.05", "0.10", "--snapshot_every", 5, "--use_ema", "--ema_max_decay", "0.9"]
@@ -51,7 +54,7 @@ def test_sigkill_then_resume_latest_is_identical(uninterrupted, tmp_path):
         "unet_ema/diffusion_pytorch_model.safetensors",
         "posthoc_ema.safetensors",
     ):
-        tensors_equal(uninterrupted / final / name, output / final / name)
+        tensors_equal(uninterrupted / final / name, output / final / name, same_run=False)
     tensors_equal(
         uninterrupted / "unet/diffusion_pytorch_model.safetensors", output / "unet/diffusion_pytorch_model.safetensors"
     )
@@ -59,4 +62,8 @@ def test_sigkill_then_resume_latest_is_identical(uninterrupted, tmp_path):
     assert snapshots == sorted(p.name for p in (output / "ema_snapshots").iterdir())
     assert len(snapshots) == 2 * STEPS // 5
     for name in snapshots:
-        tensors_equal(uninterrupted / "ema_snapshots" / name, output / "ema_snapshots" / name)
+        tensors_equal(uninterrupted / "ema_snapshots" / name, output / "ema_snapshots" / name, same_run=False)
+    # the resumed run continued the killed one: one run id in every checkpoint and snapshot it wrote
+    run_ids = {info.run_id for info in list_snapshots(output / "ema_snapshots")}
+    run_ids |= {checkpoint.read_state()["run_id"] for checkpoint in Checkpoint.find_all(output)}
+    assert len(run_ids) == 1 and None not in run_ids, run_ids

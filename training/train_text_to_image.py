@@ -27,7 +27,6 @@ from diffusers.optimization import get_scheduler
 from diffusers_scalelong.data import ImageTransform
 from diffusers_scalelong.trainer import (
     CaptionedImages,
-    Checkpoint,
     DDPMRecipe,
     TrainingJob,
     add_lsc_args,
@@ -41,6 +40,7 @@ from diffusers_scalelong.trainer import (
     run_training,
     validate_training_args,
 )
+from diffusers_scalelong.trainer.run_identity import start_run
 
 REQUIRED_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 
@@ -113,7 +113,7 @@ def load_components(path: str) -> dict:
 def train(args: argparse.Namespace) -> Path:
     validate_args(args)
     output_dir = ensure_writable_dir(args.output_dir)
-    resume_from = Checkpoint.resolve(args.resume_from_checkpoint, output_dir)
+    run = start_run(output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     dataset = load_captioned_dataset(
         args.dataset_name,
         args.train_data_dir,
@@ -127,8 +127,8 @@ def train(args: argparse.Namespace) -> Path:
     components = load_components(args.pretrained_model_name_or_path)
     set_seed(args.seed)
     unet = load_pretrained_unet(args.pretrained_model_name_or_path, args.lsc, args.kappa)
-    if resume_from is not None:
-        resume_from.check_matches("unet", unet)
+    if run.resume_from is not None:
+        run.resume_from.check_matches("unet", unet)
     tokenizer, text_encoder, vae = components["tokenizer"], components["text_encoder"], components["vae"]
     recipe = DDPMRecipe(components["noise_scheduler"])
 
@@ -174,7 +174,7 @@ def train(args: argparse.Namespace) -> Path:
         tracker_name="train_text_to_image",
         description=f"text-to-image fine-tuning, lsc {args.lsc}",
     )
-    return run_training(args, job, output_dir, resume_from)
+    return run_training(args, job, output_dir, run)
 
 
 def main(argv: list[str] | None = None) -> int:

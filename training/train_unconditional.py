@@ -33,7 +33,6 @@ from diffusers_scalelong.trainer import (
     RECIPES,
     VAE_PIXEL_RANGES,
     CachedLatents,
-    Checkpoint,
     DDPMRecipe,
     EDM2Recipe,
     LatentCodec,
@@ -58,6 +57,7 @@ from diffusers_scalelong.trainer import (
     run_training,
     validate_training_args,
 )
+from diffusers_scalelong.trainer.run_identity import start_run
 
 EDM2_PRESET_DATASET = "img64"  # the presets' pixel-space recipe (these scripts train on pixels)
 RECIPE_DEFAULTS = {
@@ -357,7 +357,7 @@ def prepare_run(args: argparse.Namespace):
     """All checks and the cheap set-up, in the order that fails fastest; nothing is written but a probe file."""
     validate_args(args)
     output_dir = ensure_writable_dir(args.output_dir)
-    resume_from = Checkpoint.resolve(args.resume_from_checkpoint, output_dir)
+    run = start_run(output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     dataset = load_training_dataset(
         dataset_name=args.dataset_name,
         train_data_dir=args.train_data_dir,
@@ -378,9 +378,9 @@ def prepare_run(args: argparse.Namespace):
     recipe = build_recipe(args, parts, codec)
     set_seed(args.seed)  # identical initial weights on every process
     unet = build_model(args, channels, classes, args.resolution // codec.downsampling if codec else args.resolution)
-    if resume_from is not None:
-        resume_from.check_matches("unet", unet)
-    return output_dir, resume_from, dataset, recipe, unet, codec
+    if run.resume_from is not None:
+        run.resume_from.check_matches("unet", unet)
+    return output_dir, run, dataset, recipe, unet, codec
 
 
 def latent_codec(args: argparse.Namespace, parts: PretrainedEDM2Parts) -> LatentCodec | None:
@@ -407,7 +407,7 @@ def latent_codec(args: argparse.Namespace, parts: PretrainedEDM2Parts) -> Latent
 
 
 def train(args: argparse.Namespace) -> Path:
-    output_dir, resume_from, dataset, recipe, unet, codec = prepare_run(args)
+    output_dir, run, dataset, recipe, unet, codec = prepare_run(args)
     channels = codec.vae.config.in_channels if codec else infer_channels(dataset)
     transform = ImageTransform(
         args.resolution, center_crop=args.center_crop, random_flip=args.random_flip, channels=channels
@@ -434,7 +434,7 @@ def train(args: argparse.Namespace) -> Path:
         tracker_name="train_unconditional",
         description=f"recipe {args.recipe}",
     )
-    return run_training(args, job, output_dir, resume_from)
+    return run_training(args, job, output_dir, run)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,10 @@ which ones to download. Reading them from the safetensors headers costs one HTTP
 server that ignores ``Range`` (olah's local mirrors do) then sends whole files. The index answers in one request.
 It is only a cache of the headers: snapshot files that the index does not list (pushed by other means) are read
 through their headers with :meth:`huggingface_hub.HfApi.parse_safetensors_file_metadata` (a range request), and
-every downloaded file's own header is checked against the index before it is used.
+every downloaded file's own header is checked against the index before it is used (every field, the run id and the
+content checksum included; a disagreement is an error naming both values). An index entry whose file is missing
+from the repository, or whose name disagrees with its time and sigma_rel, is an error too. Pushing verifies each
+local snapshot's content checksum first and refuses to mix the snapshots of two training runs in one folder.
 
 :func:`pull_snapshots` downloads only the snapshots a reconstruction at ``target_time`` needs (those with
 ``0 < time <= target_time``; by default the newest time) through the Hub cache. Interrupted pulls resume at two
@@ -41,12 +44,20 @@ from typing import Any
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData, snapshot_download
 
 from ..hub.cards import build_card, markdown_table
+from ..integrity import load_verified
 from .profiles import sigma_rel_to_gamma
-from .reconstruct import select_for_target
-from .snapshots import FILENAME_PATTERN, SnapshotInfo, list_snapshots, parse_snapshot_metadata, read_snapshot_info
+from .reconstruct import PROVENANCE_FILENAME, read_reconstruction_record, select_for_target
+from .snapshots import (
+    FILENAME_PATTERN,
+    METADATA_KEY,
+    SnapshotInfo,
+    check_filename_matches,
+    list_snapshots,
+    parse_snapshot_metadata,
+    read_snapshot_info,
+)
 
 INDEX_FILENAME = "phema-index.json"
-PROVENANCE_FILENAME = "phema.json"
 INDEX_FORMAT = "diffusers_scalelong.phema-index"
 INDEX_FORMAT_VERSION = 1
 DEFAULT_PATH_IN_REPO = "phema"
@@ -65,9 +76,21 @@ class RemoteSnapshot:
     dtype: str
     model_class: str | None
     model_config: dict[str, Any] | None
+    run_id: str | None = None
+    content_sha256: str | None = None
 
 
-_REMOTE_FIELDS = ("time", "time_unit", "sigma_rel", "gamma", "dtype", "model_class", "model_config")
+_REMOTE_FIELDS = (
+    "time",
+    "time_unit",
+    "sigma_rel",
+    "gamma",
+    "dtype",
+    "model_class",
+    "model_config",
+    "run_id",
+    "content_sha256",
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -101,8 +124,10 @@ def push_snapshots(
         old = _read_index(api, repo_id, head, prefix, cache_dir) if has_index else []
     entries = {entry.filename: entry for entry in old}
     for info in local:
+        load_verified(info.path, METADATA_KEY)  # never publish damaged tensor data
         entries[info.path.name] = _entry_from_info(info)
     ordered = sorted(entries.values(), key=lambda entry: (entry.time, entry.sigma_rel))
+    _check_one_run(ordered, f"{repo_id}/{prefix}")
     operations = [CommitOperationAdd(f"{prefix}{info.path.name}", str(info.path)) for info in local]
     operations.append(CommitOperationAdd(f"{prefix}{INDEX_FILENAME}", _index_bytes(ordered)))
     operations.append(CommitOperationAdd(f"{prefix}README.md", str(_snapshot_card(ordered, repo_id, prefix)).encode()))
@@ -159,8 +184,8 @@ def _read_provenance(model_folder: Path, sigma_rel: float | None) -> dict[str, A
         if sigma_rel is None:
             raise ValueError(f"{model_folder} has no {PROVENANCE_FILENAME}: pass sigma_rel to record in the model card")
         return {"sigma_rel": float(sigma_rel), "gamma": sigma_rel_to_gamma(float(sigma_rel))}
+    record = read_reconstruction_record(model_folder)
     try:
-        record = json.loads(path.read_text())
         recorded = float(record["sigma_rel"])
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path} is not a valid reconstruction record: {error!r}") from None
@@ -221,11 +246,13 @@ def pull_snapshots(
     infos = []
     for snapshot in chosen:
         info = read_snapshot_info(Path(root) / f"{prefix}{snapshot.filename}")
-        if (info.time, info.sigma_rel) != (snapshot.time, snapshot.sigma_rel):
-            raise ValueError(
-                f"{repo_id}: {prefix}{snapshot.filename} holds time {info.time}, sigma_rel {info.sigma_rel}, but the "
-                f"index says time {snapshot.time}, sigma_rel {snapshot.sigma_rel}; push the snapshots again"
-            )
+        header = _entry_from_info(info)
+        for name in _REMOTE_FIELDS:
+            if getattr(header, name) != getattr(snapshot, name):
+                raise ValueError(
+                    f"{repo_id}: {prefix}{snapshot.filename} records {name}={getattr(header, name)!r}, but the index "
+                    f"says {name}={getattr(snapshot, name)!r}; push the snapshots again"
+                )
         infos.append(info)
     return infos
 
@@ -286,6 +313,8 @@ def _entry_from_info(info) -> RemoteSnapshot:
         dtype=info.dtype,
         model_class=info.model_class,
         model_config=info.model_config,
+        run_id=info.run_id,
+        content_sha256=info.content_sha256,
     )
 
 
@@ -313,9 +342,22 @@ def _read_index(
         index = json.loads(Path(path).read_text())
         if index.get("format") != INDEX_FORMAT or int(index["format_version"]) > INDEX_FORMAT_VERSION:
             raise ValueError(f"unsupported format {index.get('format')!r} version {index.get('format_version')!r}")
-        return [RemoteSnapshot(**entry) for entry in index["snapshots"]]
+        entries = [RemoteSnapshot(**entry) for entry in index["snapshots"]]
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{where} is not a valid snapshot index: {error}") from None
+    for entry in entries:
+        check_filename_matches(entry.filename, entry.time, entry.sigma_rel, entry.filename, f"the index {where}")
+    return entries
+
+
+def _check_one_run(entries: Sequence[RemoteSnapshot], where: str) -> None:
+    """Raise ``ValueError`` naming two files and their run ids when ``entries`` come from different runs."""
+    for entry in entries:
+        if entry.run_id != entries[0].run_id:
+            raise ValueError(
+                f"{where} would mix two training runs: {entries[0].filename} (run {entries[0].run_id or 'unnamed'}) "
+                f"and {entry.filename} (run {entry.run_id or 'unnamed'}); push each run to its own path_in_repo"
+            )
 
 
 def _list_at_commit(
@@ -336,6 +378,12 @@ def _list_at_commit(
     indexed = (
         {entry.filename: entry for entry in _read_index(api, repo_id, commit, prefix, cache_dir)} if has_index else {}
     )
+    stale = sorted(set(indexed) - set(files))
+    if stale:
+        raise ValueError(
+            f"{repo_id}@{commit[:12]}: {prefix}{INDEX_FILENAME} lists {prefix}{stale[0]}, which the repository does "
+            f"not hold ({len(stale)} such entries); push the snapshots again"
+        )
     snapshots = []
     for name in files:
         if name not in indexed:  # pushed without the index: read the safetensors header (HTTP range request)

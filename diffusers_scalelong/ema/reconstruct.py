@@ -5,6 +5,10 @@ the snapshots at times ``0 < t_i <= t_r`` and ``B_ij = <p_i, p_target_j>``; each
 The reconstructed weights are ``theta_j = sum_i X_ij theta_i``. Snapshots are read one tensor at a time and added
 into one accumulator per target, so memory is one tensor plus the outputs, whatever the number of snapshots.
 Buffers are not averaged: they are taken from the newest snapshot used.
+
+Integrity: the snapshots must come from one training run (one ``run_id``); every tensor read is hashed on the way
+and each file's checksum compared with the one in its header before the result is used; the result is checked
+finite before it is saved. A saved folder's ``phema.json`` (written last) records the SHA-256 of every other file.
 """
 
 from __future__ import annotations
@@ -22,14 +26,23 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .._version import __version__
+from ..integrity import (
+    TensorDigest,
+    check_finite,
+    check_recorded_digest,
+    folder_manifest,
+    verify_manifest,
+)
 from .profiles import sigma_rel_to_gamma, solve_profile_coefficients
-from .snapshots import SnapshotInfo, atomic_save_file, list_snapshots, snapshot_filename, storage_dtype
+from .snapshots import SnapshotInfo, list_snapshots, snapshot_filename, storage_dtype
 
 #: Only classes from these packages are instantiated from snapshot metadata.
 ALLOWED_MODEL_PACKAGES = ("diffusers", "diffusers_scalelong")
+PROVENANCE_FILENAME = "phema.json"
 ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 T = TypeVar("T")
 
@@ -79,6 +92,11 @@ def _check_consistent(snapshots: Sequence[SnapshotInfo]) -> None:
             )
         if info.time_unit != first.time_unit:
             raise ValueError(f"snapshots count time in different units: {first.path} and {info.path}")
+        if info.run_id != first.run_id:
+            raise ValueError(
+                f"snapshots come from different training runs: {first.path} (run {first.run_id or 'unnamed'}) and "
+                f"{info.path} (run {info.run_id or 'unnamed'}); reconstruct from one run's snapshots only"
+            )
 
 
 def _as_snapshots(snapshots: str | os.PathLike | Sequence[SnapshotInfo]) -> list[SnapshotInfo]:
@@ -154,18 +172,24 @@ def _accumulate(
         plan.coefficients.tolist(),
         strict=True,
     ):
+        digest = TensorDigest()
         try:
             with safe_open(str(info.path), framework="pt") as f:
                 for key in averaged_keys:
                     tensor = f.get_tensor(key)
+                    digest.add(key, tensor)
                     if len(outputs) > 1:  # convert once; with one target the mixed-dtype add is faster
                         tensor = tensor.to(accumulate_dtype)
                     for output, weight in zip(outputs, row, strict=True):
                         output[key].add_(tensor, alpha=weight)
-                if info is last:
-                    buffers = {k: f.get_tensor(k) for k in last.copied_keys}
+                copies = {k: f.get_tensor(k) for k in info.copied_keys}
         except (OSError, RuntimeError, ValueError) as error:
             raise ValueError(f"could not read snapshot file {info.path}: {error}") from None
+        for key, tensor in copies.items():
+            digest.add(key, tensor)
+        check_recorded_digest(info.content_sha256, digest.hexdigest(), f"snapshot file {info.path}")
+        if info is last:
+            buffers = copies
     results = []
     for output in outputs:
         state = {k: v.to(dtype) for k, v in output.items()}
@@ -286,6 +310,8 @@ def save_planned_models(
         raise ValueError(f"output folders already exist (use overwrite): {existing}")
 
     states = _accumulate(plan, accumulate_dtype, dtype, progress)
+    for state, sigma_rel in zip(states, plan.target_sigma_rels, strict=True):
+        check_finite(state, f"the reconstruction for sigma_rel={sigma_rel} at time {plan.target_time}")
     created_output_dir = not output_dir.exists()
     output_dir.mkdir(parents=True, exist_ok=True)
     staging: list[Path] = []
@@ -302,9 +328,10 @@ def save_planned_models(
                 torch.nn.Module.to(model, dtype)  # plain cast: every tensor in the requested dtype
                 model.save_pretrained(folder, safe_serialization=True)
             else:
-                atomic_save_file(state, folder / "model.safetensors", {"format": "pt"})
+                save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
             record = _provenance(plan, sigma_rel, gamma, column, error, dtype)
-            (folder / "phema.json").write_text(json.dumps(record, indent=2) + "\n")
+            record["files"] = folder_manifest(folder)
+            (folder / PROVENANCE_FILENAME).write_text(json.dumps(record, indent=2) + "\n")
         for folder, destination in zip(staging, destinations, strict=True):
             if destination.exists():
                 shutil.rmtree(destination)
@@ -318,6 +345,25 @@ def save_planned_models(
     return destinations
 
 
+def read_reconstruction_record(model_folder: str | os.PathLike) -> dict[str, Any]:
+    """A reconstructed folder's ``phema.json``, after checking every file it lists against its recorded SHA-256.
+
+    Raises ``ValueError`` naming the file (:class:`~diffusers_scalelong.integrity.IntegrityError` for damaged
+    content); records written before checksums existed are returned unverified.
+    """
+    path = Path(model_folder) / PROVENANCE_FILENAME
+    try:
+        record = json.loads(path.read_text())
+        files = record.get("files")
+        if not (files is None or (isinstance(files, dict) and all(isinstance(v, str) for v in files.values()))):
+            raise TypeError("'files' must map file names to SHA-256 strings")
+    except (OSError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{path} is not a valid reconstruction record: {error!r}") from None
+    if files is not None:
+        verify_manifest(model_folder, files, exclude=(PROVENANCE_FILENAME, "README.md"))
+    return record
+
+
 def _provenance(
     plan: ReconstructionPlan, sigma_rel: float, gamma: float, column: np.ndarray, error: float, dtype: torch.dtype
 ) -> dict[str, Any]:
@@ -326,6 +372,7 @@ def _provenance(
         "gamma": gamma,
         "time": plan.target_time,
         "time_unit": plan.snapshots[-1].time_unit,
+        "run_id": plan.snapshots[-1].run_id,
         "dtype": str(dtype).removeprefix("torch."),
         "relative_profile_error": float(error),
         "snapshots": [

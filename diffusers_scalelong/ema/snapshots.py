@@ -16,9 +16,15 @@ parameters plus copied buffers) and, in the header metadata under the key ``"phe
     model_class     "module.ClassName" of a diffusers ConfigMixin model, or null
     model_config    its JSON config (``to_json_string``), or null
     library_version diffusers_scalelong.__version__ of the writer
+    run_id          the training run that wrote it (a hex string), or null; absent in files written before it existed
+
+The JSON object also holds ``content_sha256``, the checksum of the tensor data (``diffusers_scalelong.integrity``);
+it is verified whenever the tensors are read for a reconstruction. The tensors
+are checked finite before a snapshot is written.
 
 Files are written to a temporary name in the target folder and renamed into place, so a reader never sees a
-half-written snapshot. ``list_snapshots`` reads only the safetensors headers.
+half-written snapshot. ``list_snapshots`` reads only the safetensors headers, and checks that each file's name
+agrees with the time and sigma_rel in its header.
 
 For tools that move snapshots (e.g. to and from a Hub repository): the file name alone gives the time and the
 (rounded) sigma_rel (``parse_snapshot_filename``), so a reconstruction at time ``T`` needs exactly the files with
@@ -38,10 +44,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .._version import __version__
-from ..atomic import atomic_path
+from ..integrity import DIGEST_KEY, check_finite, save_safetensors
 
 SNAPSHOT_FORMAT = "diffusers_scalelong.phema-snapshot"
 SNAPSHOT_FORMAT_VERSION = 1
@@ -65,6 +70,8 @@ class SnapshotInfo:
     model_config: dict[str, Any] | None
     library_version: str
     shapes: dict[str, tuple[int, ...]] = field(repr=False)
+    run_id: str | None = None
+    content_sha256: str | None = None
 
 
 def snapshot_filename(time: int, sigma_rel: float) -> str:
@@ -109,8 +116,12 @@ def write_snapshot(
     model_class: str | None,
     model_config: dict[str, Any] | None,
     dtype: torch.dtype | str | None = None,
+    run_id: str | None = None,
 ) -> str:
-    """Atomically write one snapshot; averaged float tensors are stored in ``dtype``, copied ones unchanged."""
+    """Atomically write one snapshot; averaged float tensors are stored in ``dtype``, copied ones unchanged.
+
+    Raises ``ValueError`` (and writes nothing) when a tensor holds NaN or Inf.
+    """
     dtype = storage_dtype(dtype)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -123,6 +134,8 @@ def write_snapshot(
             tensor = tensor.clone()
         seen_storage.add(tensor.untyped_storage().data_ptr())
         tensors[key] = tensor
+    final_path = folder / snapshot_filename(time, sigma_rel)
+    check_finite(tensors, f"snapshot {final_path}")
     metadata = {
         "format": SNAPSHOT_FORMAT,
         "format_version": SNAPSHOT_FORMAT_VERSION,
@@ -135,16 +148,10 @@ def write_snapshot(
         "model_class": model_class,
         "model_config": model_config,
         "library_version": __version__,
+        "run_id": run_id,
     }
-    final_path = folder / snapshot_filename(time, sigma_rel)
-    atomic_save_file(tensors, final_path, {METADATA_KEY: json.dumps(metadata)})
+    save_safetensors(tensors, final_path, METADATA_KEY, metadata)
     return str(final_path)
-
-
-def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file`` written atomically (temporary file in the same folder, then rename)."""
-    with atomic_path(path) as temporary:
-        save_file(tensors, str(temporary), metadata=metadata)
 
 
 def parse_snapshot_metadata(header: dict[str, str], where: str) -> dict[str, Any]:
@@ -170,13 +177,35 @@ def parse_snapshot_metadata(header: dict[str, str], where: str) -> dict[str, Any
             "model_class": meta["model_class"],
             "model_config": meta["model_config"],
             "library_version": str(meta["library_version"]),
+            "run_id": _optional_str(meta.get("run_id"), "run_id"),
+            "content_sha256": _optional_str(meta.get(DIGEST_KEY), DIGEST_KEY),
         }
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"snapshot file {where} has invalid '{METADATA_KEY}' metadata: {error!r}") from None
 
 
+def _optional_str(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def check_filename_matches(name: str, time: int, sigma_rel: float, where: str, record: str = "its header") -> None:
+    """Raise ``ValueError`` when a snapshot file's ``name`` disagrees with the time and sigma_rel that ``record``
+    (its header, or an index entry) gives for it."""
+    expected = snapshot_filename(time, sigma_rel)
+    if FILENAME_PATTERN.match(name) and name != expected:
+        raise ValueError(
+            f"snapshot file {where} is named {name!r} but {record} records time {time} and sigma_rel {sigma_rel} "
+            f"(file name {expected!r})"
+        )
+
+
 def read_snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
-    """Read a snapshot's header (metadata and tensor shapes) without loading tensor data."""
+    """Read a snapshot's header (metadata and tensor shapes) without loading tensor data.
+
+    A file named like a snapshot must carry the time and sigma_rel its name says (``ValueError`` otherwise).
+    """
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -184,17 +213,27 @@ def read_snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as error:  # safetensors raises its own error types for truncated/corrupt headers
         raise ValueError(f"snapshot file {path} is truncated or corrupt: {error}") from None
-    return SnapshotInfo(path=path, shapes=shapes, **parse_snapshot_metadata(header, str(path)))
+    info = SnapshotInfo(path=path, shapes=shapes, **parse_snapshot_metadata(header, str(path)))
+    check_filename_matches(path.name, info.time, info.sigma_rel, str(path))
+    return info
 
 
 def list_snapshots(folder: str | os.PathLike) -> list[SnapshotInfo]:
     """All snapshots in ``folder`` sorted by (time, sigma_rel), from their headers only.
 
     Files not named ``phema-*.safetensors`` (including temporary files of writes in progress) are ignored; a
-    snapshot file with a bad header raises ``ValueError`` naming it. An empty folder gives an empty list.
+    snapshot file with a bad header, or a ``phema-*.safetensors`` file whose name does not follow the pattern (it
+    would otherwise be left out silently), raises ``ValueError`` naming it. An empty folder gives an empty list.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"snapshot folder {folder} does not exist or is not a folder")
-    infos = [read_snapshot_info(p) for p in sorted(folder.iterdir()) if FILENAME_PATTERN.match(p.name)]
+    names = sorted(path.name for path in folder.iterdir())
+    for name in names:
+        if name.startswith("phema-") and name.endswith(".safetensors") and not FILENAME_PATTERN.match(name):
+            raise ValueError(
+                f"{folder / name} is not named like a snapshot (phema-<10-digit time>-<sigma_rel>.safetensors); "
+                "rename or remove it"
+            )
+    infos = [read_snapshot_info(folder / name) for name in names if FILENAME_PATTERN.match(name)]
     return sorted(infos, key=lambda info: (info.time, info.sigma_rel))

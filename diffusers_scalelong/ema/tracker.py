@@ -7,15 +7,16 @@ import json
 import math
 import numbers
 import os
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import extract_model_from_parallel
-from safetensors import safe_open
 from torch import nn
 
+from ..integrity import load_verified, save_safetensors
 from .profiles import sigma_rel_to_gamma
 
 STATE_FORMAT = "diffusers_scalelong.PowerFunctionEMA"
@@ -73,6 +74,8 @@ class PowerFunctionEMA:
         sigma_rels: relative widths of the tracked profiles, each in (0, sqrt(1/12)).
         device: where the float32 averages live (default: next to each parameter), e.g. ``"cpu"``.
         time_unit: what ``step`` counts (``"steps"`` or ``"images"``), recorded in snapshots.
+        run_id: the training run, recorded in every snapshot and in the state (default: a new random id);
+            reconstruction refuses snapshots of different runs. Restored by ``load_state_dict``.
 
     Examples:
         >>> import tempfile
@@ -99,6 +102,7 @@ class PowerFunctionEMA:
         *,
         device: torch.device | str | None = None,
         time_unit: str = "steps",
+        run_id: str | None = None,
     ) -> None:
         self.gammas = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)  # validates each sigma_rel
         sigma_rels = tuple(float(s) for s in sigma_rels)
@@ -110,6 +114,7 @@ class PowerFunctionEMA:
             raise ValueError(f"time_unit must be 'steps' or 'images', got {time_unit!r}")
         self.sigma_rels = sigma_rels
         self.time_unit = time_unit
+        self.run_id: str | None = run_id if run_id is not None else uuid.uuid4().hex
         self.last_step: int | None = None
         self.num_updates = 0
         self.model_class, self.model_config = model_class_and_config(unwrap_model(model))
@@ -198,6 +203,7 @@ class PowerFunctionEMA:
             "version": STATE_VERSION,
             "sigma_rels": list(self.sigma_rels),
             "time_unit": self.time_unit,
+            "run_id": self.run_id,
             "last_step": self.last_step,
             "num_updates": self.num_updates,
             "averages": [dict(a) for a in self.averages],
@@ -206,7 +212,10 @@ class PowerFunctionEMA:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``; the profiles and the model's keys and shapes must match."""
+        """Restore a ``state_dict()``; the profiles and the model's keys and shapes must match.
+
+        The run id comes with it (a state written before run ids existed restores ``None``: one unnamed run).
+        """
         if state_dict.get("format") != STATE_FORMAT:
             raise ValueError(f"not a {STATE_FORMAT} state dict (format={state_dict.get('format')!r})")
         if [float(s) for s in state_dict["sigma_rels"]] != list(self.sigma_rels):
@@ -217,6 +226,7 @@ class PowerFunctionEMA:
         for mine, theirs in zip(self.averages, state_dict["averages"], strict=True):
             _copy_matching(mine, theirs, "averages")
         self.time_unit = state_dict["time_unit"]
+        self.run_id = state_dict.get("run_id")
         self.last_step = None if state_dict["last_step"] is None else int(state_dict["last_step"])
         self.num_updates = int(state_dict["num_updates"])
 
@@ -224,26 +234,20 @@ class PowerFunctionEMA:
         """Write ``state_dict()`` as one safetensors file (JSON values in its metadata), atomically.
 
         A pickle-free alternative to ``accelerator.register_for_checkpointing`` (which loads with pickle); call it
-        from ``accelerator.register_save_state_pre_hook`` or next to ``save_state``.
+        from ``accelerator.register_save_state_pre_hook`` or next to ``save_state``. The file carries the content
+        checksum of its tensors, verified by :meth:`load_state`.
         """
-        from .snapshots import atomic_save_file
-
         state = self.state_dict()
         tensors = {
             f"averages.{i}.{k}": v.detach().cpu() for i, a in enumerate(state.pop("averages")) for k, v in a.items()
         }
         tensors.update({f"copies.{k}": v.detach().cpu() for k, v in state.pop("copies").items()})
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_save_file(tensors, path, {"state": json.dumps(state)})
+        save_safetensors(tensors, path, "state", state)
 
     def load_state(self, path: str | os.PathLike) -> None:
-        """Restore a file written by ``save_state`` (safetensors only, no pickle)."""
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                state = json.loads((f.metadata() or {})["state"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as error:
-            raise ValueError(f"cannot read PowerFunctionEMA state file {path}: {error!r}") from None
+        """Restore a file written by ``save_state`` (safetensors only, no pickle), its checksum verified."""
+        tensors, state = load_verified(path, "state")
         state["averages"] = [
             {k.removeprefix(f"averages.{i}."): v for k, v in tensors.items() if k.startswith(f"averages.{i}.")}
             for i in range(len(state["sigma_rels"]))
@@ -295,6 +299,7 @@ class PowerFunctionEMA:
                 model_class=self.model_class,
                 model_config=self.model_config,
                 dtype=dtype,
+                run_id=self.run_id,
             )
             for state, sigma_rel, gamma in zip(states, self.sigma_rels, self.gammas, strict=True)
         ]

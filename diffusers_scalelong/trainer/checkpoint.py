@@ -3,10 +3,14 @@
 A checkpoint folder holds what ``accelerate.Accelerator.save_state`` writes (optimiser, lr scheduler, data
 sampler states), the trained models as diffusers folders (``unet/``, and for EDM2 the preconditioner's layout:
 ``unet/``, ``uncertainty/``, ``preconditioner_config.json``), each process's private RNG state, the EMA state and,
-written last, ``training_state.json`` (``global_step``, ``num_processes``): a folder without it is incomplete.
+written last, ``training_state.json``: a folder without it is incomplete. The record holds ``global_step``,
+``num_processes``, ``run_id`` (the training run that wrote it) and ``files``, the SHA-256 of every other file in the
+folder; :meth:`Checkpoint.verify` checks all of them before a resume (records written before ``run_id`` and
+``files`` existed are read unverified).
 """
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -17,6 +21,9 @@ from torch import nn
 
 from ..atomic import atomic_write_text
 from ..edm2.precond import EDMPreconditioner
+from ..integrity import folder_manifest, verify_manifest
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "training_state.json"
@@ -82,14 +89,40 @@ class Checkpoint:
         if resume is None:
             return None
         if resume == "latest":
-            found = cls.find_all(output_dir)
-            return found[-1] if found else None
+            return cls.newest_intact(output_dir)
         path = Path(resume)
         if not path.is_absolute() and not path.exists():
             path = Path(output_dir) / resume
         if not (path / STATE_FILE).is_file():
             raise ValueError(f"--resume_from_checkpoint {resume!r}: {str(path)!r} is not a complete checkpoint folder")
-        return cls(path)
+        checkpoint = cls(path)
+        try:
+            checkpoint.verify()
+        except ValueError as error:
+            raise ValueError(f"--resume_from_checkpoint {resume!r}: {error}") from None
+        return checkpoint
+
+    @classmethod
+    def newest_intact(cls, output_dir: str | os.PathLike) -> "Checkpoint | None":
+        """The newest complete checkpoint that passes :meth:`verify`, logging each newer damaged one and why.
+
+        ``None`` when there is no checkpoint; raises ``ValueError`` naming the damage when every one is damaged.
+        """
+        found = cls.find_all(output_dir)
+        damage = []
+        for checkpoint in reversed(found):
+            try:
+                checkpoint.verify()
+            except ValueError as error:
+                damage.append(str(error))
+                logger.warning("skipping damaged checkpoint %s: %s", checkpoint, error)
+                continue
+            if damage:
+                logger.warning("resuming from %s, the newest intact checkpoint", checkpoint)
+            return checkpoint
+        if damage:
+            raise ValueError(f"every checkpoint in {str(output_dir)!r} is damaged: " + "; ".join(damage))
+        return None
 
     @classmethod
     def rotate(cls, output_dir: str | os.PathLike, total_limit: int | None) -> list["Checkpoint"]:
@@ -104,16 +137,36 @@ class Checkpoint:
 
     # ------------------------------------------------------------------------------------------ contents
     def read_state(self) -> dict:
-        """``training_state.json``, cross-checked against the folder name: ``{"global_step", "num_processes"}``."""
+        """``training_state.json``, cross-checked against the folder name.
+
+        Returns ``{"global_step", "num_processes", "run_id", "files"}``; ``run_id`` and ``files`` are ``None`` in
+        records written before they existed.
+        """
         path = self.path / STATE_FILE
         try:
             state = json.loads(path.read_text())
             step, processes = int(state["global_step"]), int(state["num_processes"])
+            run_id, files = state.get("run_id"), state.get("files")
+            if not (run_id is None or isinstance(run_id, str)):
+                raise TypeError(f"run_id must be a string, got {run_id!r}")
+            if not (files is None or (isinstance(files, dict) and all(isinstance(v, str) for v in files.values()))):
+                raise TypeError("files must map file names to SHA-256 strings")
         except (OSError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{str(path)!r} is not a valid training state: {error!r}") from None
         if step != self.step:
             raise ValueError(f"{str(path)!r} records step {step}, but the folder is named for step {self.step}")
-        return {"global_step": step, "num_processes": processes}
+        return {"global_step": step, "num_processes": processes, "run_id": run_id, "files": files}
+
+    def verify(self) -> dict:
+        """:meth:`read_state`, then check every file against the recorded SHA-256; returns the state.
+
+        Raises ``ValueError`` (:class:`~diffusers_scalelong.integrity.IntegrityError` for damaged content) naming
+        the file.
+        """
+        state = self.read_state()
+        if state["files"] is not None:
+            verify_manifest(self.path, state["files"], exclude=(STATE_FILE,))
+        return state
 
     def check_matches(self, model_folder: str, model: nn.Module) -> None:
         """Raise ``ValueError`` unless ``<model_folder>/config.json`` describes the same architecture as ``model``."""
@@ -160,11 +213,19 @@ class Checkpoint:
         module.load_state_dict(type(module).from_pretrained(path, low_cpu_mem_usage=False).state_dict())
 
     @classmethod
-    def save(cls, accelerator, output_dir: str | os.PathLike, step: int, total_limit: int | None) -> "Checkpoint":
+    def save(
+        cls,
+        accelerator,
+        output_dir: str | os.PathLike,
+        step: int,
+        total_limit: int | None,
+        run_id: str | None = None,
+    ) -> "Checkpoint":
         """``accelerator.save_state`` into ``checkpoint-<step>`` atomically, then rotate old checkpoints.
 
-        Every process writes its own state into a temporary folder; the main process adds ``training_state.json``,
-        swaps the folder into place (replacing one of the same step) and only then deletes the oldest checkpoints.
+        Every process writes its own state into a temporary folder; the main process adds ``training_state.json``
+        (with ``run_id`` and the SHA-256 of every file), swaps the folder into place (replacing one of the same
+        step) and only then deletes the oldest checkpoints.
         """
         output_dir = Path(output_dir)
         final = cls.at(output_dir, step)
@@ -175,7 +236,12 @@ class Checkpoint:
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            state = {"global_step": step, "num_processes": accelerator.num_processes}
+            state = {
+                "global_step": step,
+                "num_processes": accelerator.num_processes,
+                "run_id": run_id,
+                "files": folder_manifest(tmp, exclude=(STATE_FILE,)),
+            }
             atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1))
             old = None
             if final.path.exists():

@@ -18,10 +18,12 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin, broadcast
 from tqdm.auto import tqdm
 
+from ..integrity import check_finite
 from .checkpoint import Checkpoint
 from .image_grid import save_image_grid
 from .output import push_run_to_hub, save_pipeline_atomic
 from .rng import TrainingRNG
+from .run_identity import SNAPSHOT_FOLDER, RunStart
 from .training_ema import TrainingEMA, count_parameters
 
 
@@ -94,9 +96,13 @@ def make_accelerator(args: argparse.Namespace, output_dir: Path) -> Accelerator:
     )
 
 
-def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, resume_from: Checkpoint | None) -> Path:
-    """Train ``job`` as the options say; returns ``output_dir`` holding the pipeline. Raises ``TrainingDiverged``."""
+def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, run: RunStart) -> Path:
+    """Train ``job`` as the options say, starting as ``run`` says (``run_identity.start_run``); returns
+    ``output_dir`` holding the pipeline. Raises ``TrainingDiverged``."""
     accelerator = make_accelerator(args, output_dir)
+    if accelerator.is_main_process:
+        run.clear_discarded(output_dir)
+    accelerator.wait_for_everyone()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     step_rng = TrainingRNG(args.seed + accelerator.process_index, accelerator.device)  # noise differs per process
     for frozen in job.frozen:
@@ -134,11 +140,12 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     ema = TrainingEMA(
         unet,
         sigma_rels=tuple(args.ema_sigma_rels),
-        snapshot_dir=output_dir / "ema_snapshots",
+        snapshot_dir=output_dir / SNAPSHOT_FOLDER,
         snapshot_every=args.snapshot_every,
         use_classic=args.use_ema,
         classic_kwargs=dict(decay=args.ema_max_decay, inv_gamma=args.ema_inv_gamma, power=args.ema_power),
         enabled=accelerator.is_main_process,
+        run_id=run.run_id,
     )
 
     def save_model_hook(models, weights, folder):
@@ -159,6 +166,7 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     accelerator.register_load_state_pre_hook(load_model_hook)
 
     global_step = 0
+    resume_from = run.resume_from
     if resume_from is not None:
         state = resume_from.read_state()
         if state["num_processes"] != accelerator.num_processes:
@@ -167,8 +175,11 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
                 f"{accelerator.num_processes}; the data order and random streams will differ from an unbroken run"
             )
         accelerator.print(f"Resuming from {resume_from}")
-        accelerator.load_state(str(resume_from.path))
-        ema.load(resume_from.path, unet)
+        try:
+            accelerator.load_state(str(resume_from.path))
+        except Exception as error:  # accelerate and torch raise many types for unreadable state files
+            raise ValueError(f"checkpoint {resume_from} could not be loaded: {error!r}") from error
+        ema.load(resume_from.path, unet, run.run_id)
         global_step = resume_from.step
     first_epoch = global_step // steps_per_epoch
     skip_batches = (global_step % steps_per_epoch) * args.gradient_accumulation_steps
@@ -252,7 +263,9 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
                 if job.sample and args.save_images_steps and (global_step % args.save_images_steps == 0 or stop):
                     sample_grid(global_step)
             if global_step % args.checkpointing_steps == 0:
-                saved = Checkpoint.save(accelerator, output_dir, global_step, args.checkpoints_total_limit)
+                saved = Checkpoint.save(
+                    accelerator, output_dir, global_step, args.checkpoints_total_limit, run_id=run.run_id
+                )
                 accelerator.print(f"saved {saved}")
             if stop:
                 break
@@ -268,7 +281,9 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     if diagnostics is not None and diagnostics.history:
         diagnostics.plot(output_dir / "stability.png")
     if accelerator.is_main_process:
-        pipeline = job.make_pipeline(ema.export_unet(unet))
+        export = ema.export_unet(unet)
+        check_finite(export.state_dict(), f"the final model for {output_dir}")
+        pipeline = job.make_pipeline(export)
         save_pipeline_atomic(pipeline, output_dir)
         accelerator.print(f"pipeline saved to {output_dir}")
         if args.push_to_hub:

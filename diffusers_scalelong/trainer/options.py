@@ -46,6 +46,12 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
         "--output_dir", required=True, help="folder for checkpoints, snapshots, samples, logs and the final pipeline"
     )
     out.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="delete the checkpoints, post-hoc EMA snapshots and sample grids of an earlier run in --output_dir "
+        "before training (without it a fresh run refuses such a folder)",
+    )
+    out.add_argument(
         "--seed", type=int, default=0, help="seed of model init, data order and noise (per process: seed + rank)"
     )
     out.add_argument(

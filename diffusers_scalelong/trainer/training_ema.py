@@ -25,6 +25,7 @@ class TrainingEMA:
         snapshot_dir / snapshot_every: where and every how many steps to write post-hoc snapshots.
         use_classic: also keep ``diffusers.training_utils.EMAModel`` with ``classic_kwargs``.
         enabled: False on non-main processes.
+        run_id: the training run, recorded in every snapshot (see ``run_identity``).
     """
 
     def __init__(
@@ -36,11 +37,14 @@ class TrainingEMA:
         use_classic: bool = False,
         classic_kwargs: dict | None = None,
         enabled: bool = True,
+        run_id: str | None = None,
     ):
         self.enabled = enabled
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.snapshot_every = snapshot_every
-        self.posthoc = PowerFunctionEMA(unet, sigma_rels, device="cpu") if enabled and sigma_rels else None
+        self.posthoc = None
+        if enabled and sigma_rels:
+            self.posthoc = PowerFunctionEMA(unet, sigma_rels, device="cpu", run_id=run_id)
         self.classic = None
         if enabled and use_classic:
             self.classic = EMAModel(
@@ -73,10 +77,16 @@ class TrainingEMA:
         if self.classic is not None:
             self.classic.save_pretrained(os.path.join(folder, CLASSIC_EMA_FOLDER))
 
-    def load(self, folder: str | os.PathLike, unet: nn.Module) -> None:
-        """Restore the state :meth:`save` wrote; a checkpoint without it raises ``ValueError``."""
+    def load(self, folder: str | os.PathLike, unet: nn.Module, run_id: str | None) -> None:
+        """Restore the state :meth:`save` wrote; a checkpoint without it, or whose post-hoc EMA state belongs to
+        another run than ``run_id`` (the checkpoint's record), raises ``ValueError``."""
         if self.posthoc is not None:
-            self.posthoc.load_state(os.path.join(folder, POSTHOC_STATE_FILE))
+            path = os.path.join(folder, POSTHOC_STATE_FILE)
+            self.posthoc.load_state(path)
+            if self.posthoc.run_id != run_id:
+                raise ValueError(
+                    f"{path} belongs to run {self.posthoc.run_id}, but the checkpoint's record names run {run_id}"
+                )
         if self.classic is not None:
             path = os.path.join(folder, CLASSIC_EMA_FOLDER)
             if not os.path.isdir(path):
