@@ -1,5 +1,6 @@
 """PowerFunctionEMA and the sigma_rel <-> gamma map, against the EDM2 equations computed independently."""
 
+import copy
 import math
 import os
 import socket
@@ -313,3 +314,28 @@ def test_composes_with_diffusers_ema_model():
         # diffusers updates s -= (1 - d)(s - p), the reference s d + (1 - d) p: 20 float32 steps, 1.3e-7 relative
         # measured; atol for entries near 0, where the two forms' rounding is not relative
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+def test_refused_update_and_copy_leave_every_tensor_as_it_was():
+    """Validate first, then mutate: a model whose names match but one shape differs changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    ema = PowerFunctionEMA(model, sigma_rels=(0.05, 0.10))
+    ema.update(model, 1)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update(model, 2)
+    before = copy.deepcopy(ema.state_dict())
+    other = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))  # last layer: 3 outputs, not 2
+    with pytest.raises(ValueError, match=r"2\.weight: \(3, 4\) != \(2, 4\)"):
+        ema.update(other, 3)
+    after = ema.state_dict()
+    assert after["last_step"] == before["last_step"] == 2 and after["num_updates"] == before["num_updates"]
+    for old, new in zip(before["averages"], after["averages"], strict=True):
+        assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+    assert all(torch.equal(before["copies"][k], v) for k, v in after["copies"].items())
+    untouched = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match="other shapes"):
+        ema.copy_to(other, 0.05)
+    assert all(torch.equal(untouched[k], v) for k, v in other.state_dict().items())
+    ema.update(model, 3)  # the tracker still works with the right model

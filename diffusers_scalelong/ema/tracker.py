@@ -141,9 +141,7 @@ class PowerFunctionEMA:
         if self.last_step is not None and step <= self.last_step:
             raise ValueError(f"step must increase between updates: got {step} after {self.last_step}")
         live = _live_tensors(model)
-        missing = [k for k in (*self.averaged_keys, *self.copied_keys) if k not in live]
-        if missing or len(live) != len(self.averaged_keys) + len(self.copied_keys):
-            raise ValueError(f"model does not match the tracked model (missing keys: {missing[:5]})")
+        self._check_matches(live)  # validate everything first: a refused update leaves the averages untouched
         for averages, gamma in zip(self.averages, self.gammas, strict=True):
             beta = 0.0 if self.last_step is None else (self.last_step / step) ** (gamma + 1.0)
             targets = list(averages.values())
@@ -154,6 +152,21 @@ class PowerFunctionEMA:
             t.copy_(live[k].detach())
         self.last_step = step
         self.num_updates += 1
+
+    def _check_matches(self, live: dict[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` unless ``live`` has exactly the tracked names, each with the tracked shape."""
+        tracked = {**self.averages[0], **self.copies} if self.averages else dict(self.copies)
+        missing = [k for k in tracked if k not in live]
+        extra = [k for k in live if k not in tracked]
+        if missing or extra:
+            raise ValueError(
+                f"model does not match the tracked model (missing keys: {missing[:5]}, unexpected keys: {extra[:5]})"
+            )
+        wrong = [
+            f"{k}: {tuple(live[k].shape)} != {tuple(t.shape)}" for k, t in tracked.items() if live[k].shape != t.shape
+        ]
+        if wrong:
+            raise ValueError(f"model tensors have other shapes than the tracked ones: {'; '.join(wrong[:5])}")
 
     # -------------------------------------------------------------------------------------- reading averages
     def profile_index(self, sigma_rel: float) -> int:
@@ -180,6 +193,7 @@ class PowerFunctionEMA:
         """Load the average for ``sigma_rel`` into ``model`` in place (cast to each parameter's dtype/device)."""
         target = unwrap_model(model)
         own = target.state_dict(keep_vars=True)
+        self._check_matches(own)  # before the first copy, so a mismatched model is left as it was
         for k, v in self.averaged_state_dict(sigma_rel).items():
             own[k].data.copy_(v.to(device=own[k].device, dtype=own[k].dtype))
 
