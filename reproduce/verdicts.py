@@ -65,21 +65,33 @@ def magnitude_verdict(store) -> str:
     if len(rows) < 2:
         return "Verdict: not run yet."
 
-    def growth(r, field):
-        return statistics.mean(r["series"]["magnitudes"][-1][field].values())
-
-    def act_ratio(r):
+    def change(r, field, start):
+        """Mean over blocks of the last record divided by record ``start`` (0: the first, after the MP network's first
+        forced normalisation; 1 for activations: after the first update, past the initialisation transient)."""
         records = r["series"]["magnitudes"]
-        return statistics.mean(records[-1]["act_rms"].values()) / statistics.mean(records[1]["act_rms"].values())
+        return statistics.mean(records[-1][field][k] / records[start][field][k] for k in records[-1][field])
 
-    std_w, mp_w = growth(rows["unet2d_edm"], "weight_growth"), growth(rows["edm2"], "weight_growth")
-    std_a, mp_a = act_ratio(rows["unet2d_edm"]), act_ratio(rows["edm2"])
-    drift = std_w > 1.2 and abs(mp_w - 1) < 0.05
+    std_w, mp_w = change(rows["unet2d_edm"], "weight_growth", 0), change(rows["edm2"], "weight_growth", 0)
+    std_a, mp_a = change(rows["unet2d_edm"], "act_rms", 1), change(rows["edm2"], "act_rms", 1)
+    weights = std_w > 1.05 and abs(mp_w - 1) < 0.01
+    activations = std_a > 1.5 and mp_a < 1.2
+    verdict = (
+        "reproduced"
+        if weights and activations
+        else "reproduced for weights only"
+        if weights
+        else "not reproduced at this scale"
+    )
+    steps = rows["edm2"]["config"]["steps"]
+    records = rows["unet2d_edm"]["series"]["magnitudes"]
+    rising = change(rows["unet2d_edm"], "weight_growth", 3 * len(records) // 4) > 1.0
+
     return (
-        f"Verdict: {'reproduced' if drift else 'not reproduced at this scale'} for weights: the standard UNet's weight "
-        f"norms end at {std_w:.2f}x their initial value (mean over blocks), the MP network's at {mp_w:.2f}x "
-        f"(forced weight normalisation holds them by construction). Activations (mean block RMS, last record / "
-        f"second record): standard {std_a:.2f}x, MP {mp_a:.2f}x."
+        f"Verdict: {verdict} (over {steps} steps; the paper's drift spans far longer training). Weight norms, last "
+        f"record / first: standard UNet {std_w:.3f}x (mean over blocks, {'still rising' if rising else 'flat'} over "
+        f"the last quarter), MP network {mp_w:.3f}x (held "
+        f"by forced weight normalisation). Block output RMS, last record / second: standard {std_a:.2f}x, MP "
+        f"{mp_a:.2f}x."
     )
 
 
@@ -97,13 +109,24 @@ def posthoc_verdict(data: dict, noise: dict) -> str:
     agreement = "; ".join(
         f"sigma_rel {s:g}: tracked {v:.2f}, reconstructed {curve[s]:.2f}" for s, v in tracked.items() if s in curve
     )
-    interior = sigmas[0] < best < sigmas[-1]
+    near = [x for x in sigmas if curve[x] - min(fds) <= level]
+    interior = sigmas[0] not in near and sigmas[-1] not in near
+    raw = data["run"]["raw_fd"]
+    steps = data["run"]["config"]["steps"]
+    comment = (
+        f": at {steps} steps the weights still improve so fast that any average over past weights lags; the paper's "
+        "curves, measured far into training, have their optimum inside the range"
+        if raw < min(fds)
+        else ""
+    )
     return (
-        f"Verdict: best sigma_rel {best:g} ({'an interior optimum' if interior else 'at the edge of the range'}); FD "
+        f"Verdict: best sigma_rel {best:g}, FD within one noise level of the best for sigma_rel {near[0]:g}-"
+        f"{near[-1]:g} ({'an interior optimum' if interior else 'the optimum lies at the edge of the range'}); FD "
         f"spans {spread:.2f} over sigma_rel {sigmas[0]:g}-{sigmas[-1]:g}, against a sample noise of ±{level:.2f} for "
         f"one set (the curve's points share their initial noise, so their differences are less noisy than that); "
-        f"largest step between neighbours {max(jumps):.2f}. Tracked vs reconstructed: {agreement}; raw weights "
-        f"{data['run']['raw_fd']:.2f}."
+        f"largest step between neighbours {max(jumps):.2f}. Tracked vs reconstructed: {agreement}. Raw weights "
+        f"(no EMA): {raw:.2f}, {'better than every EMA' if raw < min(fds) else 'worse than the best EMA'}"
+        f"{comment}."
     )
 
 
@@ -192,19 +215,23 @@ def render(context: dict, sections: dict[str, list[str]]) -> str:
 
     found = {
         "sweep": sweep_verdict(store),
-        "unstable": scalelong_verdict(context["unstable"], noise, regime_rows("unstable")),
-        "stable": scalelong_verdict(context["stable"], noise, regime_rows("stable")),
-        "conv": scalelong_verdict(context["conv"], noise, regime_rows("conv")),
+        "unstable": scalelong_verdict(context["unstable"], noise["scalelong"], regime_rows("unstable")),
+        "stable": scalelong_verdict(context["stable"], noise["scalelong"], regime_rows("stable")),
+        "conv": scalelong_verdict(context["conv"], noise["scalelong"], regime_rows("conv")),
         "magnitudes": magnitude_verdict(store),
-        "posthoc": posthoc_verdict(context["posthoc"], noise),
-        "uncertainty": uncertainty_verdict(context["recipe"], noise),
-        "recipe": recipe_verdict(context["recipe"], noise),
+        "posthoc": posthoc_verdict(context["posthoc"], noise["edm2"]),
+        "uncertainty": uncertainty_verdict(context["recipe"], noise["edm2"]),
+        "recipe": recipe_verdict(context["recipe"], noise["edm2"]),
     }
     noise_text = (
-        f"FD-FMNISTNet sample noise: ±{noise['single']:.2f} for one set, ±{noise['mean_of_two']:.2f} for the mean "
-        f"of two independent sets (RMS of |A - B| / sqrt 2 over {noise['count']} two-set evaluations)."
-        if noise
-        else "FD sample noise: not measured yet."
+        "FD-FMNISTNet sample noise (RMS of |A - B| / sqrt 2 over the two-set evaluations of a table):"
+        + "".join(
+            f" {name}: ±{n['single']:.2f} for one set, ±{n['mean_of_two']:.2f} for the mean of two ({n['count']} "
+            f"evaluations);"
+            if n
+            else f" {name}: not measured yet;"
+            for name, n in (("ScaleLong runs", noise["scalelong"]), ("EDM2/DDPM runs", noise["edm2"]))
+        )
     )
     lines = [
         "# Reproduction at CPU scale: ScaleLong and EDM2",
@@ -221,7 +248,7 @@ def render(context: dict, sections: dict[str, list[str]]) -> str:
         "against all 10,000 images at the same resolution; not comparable with Inception FID). " + noise_text,
         "Each final FD is the mean of two independent sample sets; the FD at half length uses one set.",
         "",
-        "## Summary (verdicts by the fixed rules below; reading in the last section)",
+        "## Summary (verdicts by the fixed rules stated in each section)",
         "",
         f"- ScaleLong, instability sweep: {found['sweep']}.",
         f"- ScaleLong, unstable regime: {found['unstable']}",
