@@ -15,6 +15,7 @@ import torch
 from diffusers import DDPMPipeline, DDPMScheduler
 from huggingface_hub import hf_hub_download
 
+from diffusers_scalelong.hub.layout import render_shim
 from diffusers_scalelong.models import ScaleLongUNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline, push_pipeline_to_hub, write_hub_layout
 from diffusers_scalelong.schedulers import EDMHeunScheduler
@@ -108,10 +109,10 @@ def test_write_hub_layout_copies_shims_and_rewrites_index(tmp_path):
     assert index["scheduler"] == ["diffusers_scalelong_components", "EDMHeunScheduler"]
     assert index["vae"] == [None, None]
     assert json.loads((tmp_path / "edm2" / "model_index.json").read_text()) == index
-    assert (tmp_path / "edm2" / "edm2_pipeline.py").read_bytes() == (SHIMS / "edm2_pipeline.py").read_bytes()
+    assert (tmp_path / "edm2" / "edm2_pipeline.py").read_text() == render_shim("edm2_pipeline")
     for component in ("unet", "scheduler"):
         shim = tmp_path / "edm2" / component / "diffusers_scalelong_components.py"
-        assert shim.read_bytes() == (SHIMS / "diffusers_scalelong_components.py").read_bytes()
+        assert shim.read_text() == render_shim("diffusers_scalelong_components")
     assert not (tmp_path / "edm2" / "vae").exists()
 
     DDPMPipeline(unet=scalelong_unet(), scheduler=DDPMScheduler()).save_pretrained(tmp_path / "ddpm")

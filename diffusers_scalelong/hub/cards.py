@@ -9,7 +9,14 @@ from collections.abc import Iterable, Sequence
 
 from huggingface_hub import ModelCard, ModelCardData
 
-INSTALL = "pip install diffusers-scalelong"
+from .._version import __version__
+
+INSTALL = (
+    f"pip install diffusers_scalelong-{__version__}-py3-none-any.whl"
+    "  # the wheel built from the project's source with: pip wheel --no-deps ."
+)
+"""The install line every card and every Hub shim file gives: the package is not on a package index, so it names the
+wheel file built from the source (the file name ``pip wheel`` writes for this version)."""
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from diffusers import DiffusionPipeline
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
 from ..atomic import atomic_write_text
-from .cards import build_card, markdown_table
+from .cards import INSTALL, build_card, markdown_table
 
 PACKAGE = "diffusers_scalelong"
 COMPONENT_SHIM = "diffusers_scalelong_components"
@@ -45,6 +46,16 @@ def shim_folder() -> Path:
     return SHIM_FOLDER
 
 
+def render_shim(name: str) -> str:
+    """The text of shim file ``name`` (e.g. ``"edm2_pipeline"``) for a repo: its ``INSTALL_COMMAND`` line set to
+    :data:`~diffusers_scalelong.hub.cards.INSTALL`, the line its import error gives when the package is missing."""
+    text = (shim_folder() / f"{name}.py").read_text(encoding="utf-8")
+    rendered, count = re.subn(r"^INSTALL_COMMAND = .*$", f"INSTALL_COMMAND = {INSTALL!r}", text, flags=re.MULTILINE)
+    if count != 1:
+        raise ValueError(f"shim file {name}.py must hold one INSTALL_COMMAND line, found {count}")
+    return rendered
+
+
 def write_hub_layout(folder: str | os.PathLike) -> dict[str, Any]:
     """Add the shim files to a ``save_pretrained`` folder and point ``model_index.json`` at them.
 
@@ -56,14 +67,13 @@ def write_hub_layout(folder: str | os.PathLike) -> dict[str, Any]:
     if not index_path.is_file():
         raise ValueError(f"{folder} has no model_index.json: save the pipeline with save_pretrained first")
     index = json.loads(index_path.read_text(encoding="utf-8"))
-    shims = shim_folder()
 
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or entry[0] is None:
             continue
         library, class_name = entry
         if library == PACKAGE or library.startswith(f"{PACKAGE}."):
-            atomic_write_text(folder / name / f"{COMPONENT_SHIM}.py", (shims / f"{COMPONENT_SHIM}.py").read_text())
+            atomic_write_text(folder / name / f"{COMPONENT_SHIM}.py", render_shim(COMPONENT_SHIM))
             index[name] = [COMPONENT_SHIM, class_name]
 
     pipeline_class = index.get("_class_name")
@@ -71,7 +81,7 @@ def write_hub_layout(folder: str | os.PathLike) -> dict[str, Any]:
         pipeline_class = pipeline_class[1]
     if pipeline_class in PIPELINE_SHIMS:
         shim = PIPELINE_SHIMS[pipeline_class]
-        atomic_write_text(folder / f"{shim}.py", (shims / f"{shim}.py").read_text())
+        atomic_write_text(folder / f"{shim}.py", render_shim(shim))
         index["_class_name"] = [shim, pipeline_class]
 
     atomic_write_text(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
