@@ -1,6 +1,6 @@
 """Run by ``torchrun --nproc_per_node 2``: FSDP2-sharded EDM2 training vs single-process training of the same batches.
 
-Every rank trains an ``EDM2UNet2DModel`` wrapped block by block with ``fully_shard`` (gloo, CPU, gradient
+Every rank trains an ``EDM2UNet2DModel`` sharded block by block with ``fully_shard_model`` (gloo, CPU, gradient
 checkpointing on) on its half of each global batch. Rank 0 additionally trains an unsharded copy with the same
 initial weights on the whole global batch, then compares the parameters (gathered once) tensor by tensor, and the
 post-hoc EMA snapshots written from the sharded run with those of the unsharded run. Writes a JSON report to the
@@ -12,15 +12,15 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.fsdp import fully_shard
 
 from diffusers_scalelong.ema import PowerFunctionEMA
-from diffusers_scalelong.layers import register_sharded_weight_projection
 from diffusers_scalelong.models import EDM2UNet2DModel
+from diffusers_scalelong.trainer.sharding import fully_shard_model
 
 STEPS, GLOBAL_BATCH, SIGMA_RELS = 3, 4, (0.05, 0.10)
 
@@ -38,26 +38,12 @@ def build_model() -> EDM2UNet2DModel:
     return model
 
 
-def shard(model: EDM2UNet2DModel, world: int, project_shards: bool = True) -> EDM2UNet2DModel:
-    """``fully_shard`` every block, then the whole model; forced weight normalisation on the stored shards.
-
-    fully_shard cannot shard 0-d parameters (EDM2's gains): they stay replicated, outside FSDP, and their gradients
-    are averaged over the processes right after they are accumulated (what FSDP does for the sharded ones).
-    """
-    scalars = {p for p in model.parameters() if p.ndim == 0}
-    for block in [*model.encoder_blocks, *model.decoder_blocks]:
-        fully_shard(block, ignored_params=scalars)
-    fully_shard(model, ignored_params=scalars)
-
-    def average_gradient(parameter: torch.nn.Parameter) -> None:
-        dist.all_reduce(parameter.grad)
-        parameter.grad.div_(world)
-
-    for p in scalars:
-        p.register_post_accumulate_grad_hook(average_gradient)
+def shard(model: EDM2UNet2DModel, project_shards: bool = True) -> EDM2UNet2DModel:
+    """Every block, then the whole model; ``project_shards=False`` leaves out the projection of the stored shards."""
     if project_shards:
-        register_sharded_weight_projection(model)
-    return model
+        return fully_shard_model(model, [*model.encoder_blocks, *model.decoder_blocks])
+    with patch("diffusers_scalelong.trainer.sharding.register_sharded_weight_projection", lambda model: None):
+        return fully_shard_model(model, [*model.encoder_blocks, *model.decoder_blocks])
 
 
 def global_batches() -> list[tuple[torch.Tensor, ...]]:
@@ -96,7 +82,7 @@ def main() -> None:
     torch.set_num_threads(1)
     batches = global_batches()
 
-    sharded = shard(build_model(), world, project_shards="--without_shard_projection" not in sys.argv)
+    sharded = shard(build_model(), project_shards="--without_shard_projection" not in sys.argv)
     ema = train(sharded, batches, rank, world, report_path.parent / "sharded")
     full_state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sharded.state_dict().items()}
     local_shapes = {k: list(v.to_local().shape) for k, v in sharded.state_dict().items() if hasattr(v, "to_local")}
