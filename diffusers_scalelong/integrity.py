@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,9 @@ class TensorDigest:
     def __init__(self) -> None:
         self._lines: dict[str, str] = {}
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        data = hashlib.sha256(_raw_bytes(tensor)).hexdigest()
+    def add(self, name: str, tensor: torch.Tensor, data_sha256: str | None = None) -> None:
+        """Add ``tensor`` under ``name`` (``data_sha256``: the SHA-256 of its raw bytes, if already computed)."""
+        data = data_sha256 or hashlib.sha256(_raw_bytes(tensor)).hexdigest()
         dtype = str(tensor.dtype).removeprefix("torch.")
         self._lines[name] = f"{name} {dtype} {list(tensor.shape)} {data}\n"
 
@@ -63,10 +65,14 @@ class TensorDigest:
 
 
 def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
-    """The content checksum of ``tensors`` (see the module docstring)."""
-    digest = TensorDigest()
-    for name, tensor in tensors.items():
-        digest.add(name, tensor)
+    """The content checksum of ``tensors`` (see the module docstring); tensors are hashed on several threads
+    (``hashlib`` releases the GIL while hashing)."""
+    names = list(tensors)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        hashes = pool.map(lambda name: hashlib.sha256(_raw_bytes(tensors[name])).hexdigest(), names)
+        digest = TensorDigest()
+        for name, data in zip(names, hashes, strict=True):
+            digest.add(name, tensors[name], data)
     return digest.hexdigest()
 
 
@@ -79,10 +85,19 @@ def check_recorded_digest(recorded: str | None, actual: str, where: str) -> None
 
 
 def check_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
-    """Raise ``ValueError`` naming ``what`` and the first tensor holding NaN or Inf (non-float tensors pass)."""
+    """Raise ``ValueError`` naming ``what`` and the first tensor holding NaN or Inf (non-float tensors pass).
+
+    Fast path: a finite sum proves every element finite (a NaN or Inf element makes the sum NaN or Inf); only a
+    non-finite sum, which a large but finite tensor can also give by overflow, is checked element by element.
+    """
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
+        if not tensor.is_floating_point():
+            continue
+        total = tensor.detach().sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+        if bool(torch.isfinite(total)):
+            continue
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
             raise ValueError(f"{what}: tensor {name!r} holds {bad} NaN or infinite values; refusing to save it")
 
 
