@@ -9,7 +9,8 @@ Map (details in the repository's ARCHITECTURE.md):
 - ``models/``: ScaleLong UNets, the U-ViT, the EDM2 UNet; ``schedulers/`` and ``pipelines/``: sampling;
 - ``ema/``: post-hoc EMA (tracking, snapshots, reconstruction, Hub transfer, CLI); ``hub/``: model cards and the
   Hub-native pipeline layout; ``convert/``: official weights;
-- ``trainer/``: building blocks of the training scripts; ``data``, ``metrics/``, ``atomic``: shared utilities.
+- ``trainer/``: building blocks of the training scripts; ``data``, ``metrics/``, ``atomic``, ``integrity``: shared
+  utilities.
 
 Importing the package imports its submodules, so that ``DiffusionPipeline.from_pretrained``
 finds the classes that ``model_index.json`` names by module path.
