@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from diffusers_scalelong.hub.cards import INSTALL
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,8 +34,11 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     run(["git", "clone", "--quiet", ROOT, source], tmp_path, 300)
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, source], tmp_path, 600)
     (wheel,) = dist.glob("diffusers_scalelong-*.whl")
+    assert f"pip install {wheel.name}" in INSTALL  # the install line of the cards names the file pip wheel writes
     venv.create(environment, with_pip=True, system_site_packages=False)
     bin_dir = environment / "bin"
+    if os.environ.get("PIP_FIND_LINKS"):  # a local torch build first, so pip does not fetch a newer one from the index
+        run([bin_dir / "pip", "install", "--quiet", "--no-index", "torch"], tmp_path, 1800)
     run([bin_dir / "pip", "install", "--quiet", wheel], tmp_path, 1800)
     work.mkdir()
     assert run([bin_dir / "scalelong-train", "--help"], work, 300).startswith("usage:")
