@@ -37,8 +37,9 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     assert f"pip install {wheel.name}" in INSTALL  # the install line of the cards names the file pip wheel writes
     venv.create(environment, with_pip=True, system_site_packages=False)
     bin_dir = environment / "bin"
-    if os.environ.get("PIP_FIND_LINKS"):  # a local torch build first, so pip does not fetch a newer one from the index
-        run([bin_dir / "pip", "install", "--quiet", "--no-index", "torch"], tmp_path, 1800)
+    local_torch = sorted(Path(os.environ.get("PIP_FIND_LINKS", "/nonexistent")).glob("torch-*.whl"))
+    if local_torch:  # a local torch build first (its dependencies from the index), so pip keeps it
+        run([bin_dir / "pip", "install", "--quiet", local_torch[-1]], tmp_path, 1800)
     run([bin_dir / "pip", "install", "--quiet", wheel], tmp_path, 1800)
     work.mkdir()
     assert run([bin_dir / "scalelong-train", "--help"], work, 300).startswith("usage:")
