@@ -176,7 +176,7 @@ def test_ls_channel_gate_is_squeeze_excitation():
     hidden = torch.relu(skip.mean(dim=(2, 3)) @ gate.fc1.weight.T + gate.fc1.bias)
     expected = torch.sigmoid(hidden @ gate.fc2.weight.T + gate.fc2.bias)
     assert gate.fc1.out_features == 2
-    assert torch.allclose(gate(skip), expected[:, :, None, None])
+    assert torch.equal(gate(skip), expected[:, :, None, None])  # the same operations
 
 
 @pytest.mark.parametrize("method", ["cs", "ls"])
@@ -193,12 +193,12 @@ def test_gradient_checkpointing_equivalence(method):
     loss, grads = loss_and_grads()
     model.enable_gradient_checkpointing()
     loss_ckpt, grads_ckpt = loss_and_grads()
-    assert torch.allclose(loss, loss_ckpt, atol=1e-5)
+    assert torch.equal(loss, loss_ckpt)  # checkpointing recomputes the same forward
     assert grads.keys() == grads_ckpt.keys()
     if method == "ls":
         assert any(name.startswith("lsc.") for name in grads)
     for name in grads:
-        assert torch.allclose(grads[name], grads_ckpt[name], atol=5e-5), name
+        assert torch.equal(grads[name], grads_ckpt[name]), name
 
 
 @pytest.mark.parametrize("method", ["cs", "ls"])
@@ -251,7 +251,7 @@ def test_compile_fullgraph_without_graph_breaks():
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
-        assert torch.allclose(compiled(sample, timestep).sample, model(sample, timestep).sample, atol=1e-6)
+        assert torch.equal(compiled(sample, timestep).sample, model(sample, timestep).sample)  # eager: same ops
 
 
 @pytest.mark.slow
@@ -262,6 +262,7 @@ def test_compile_fullgraph_inductor(method):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        # inductor fuses the element-wise operations and reorders their float32 rounding (outputs ~1)
         assert torch.allclose(compiled(sample, timestep).sample, model(sample, timestep).sample, atol=1e-5)
         compiled(sample + 1, timestep)
 
