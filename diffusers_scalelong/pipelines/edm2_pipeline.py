@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 
 import torch
 from diffusers import (
@@ -24,6 +25,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..layers import cached_weight_normalization
 from ..schedulers import EDMHeunScheduler
 
 EDM_SCHEDULERS = (EDMHeunScheduler, EDMEulerScheduler, EDMDPMSolverMultistepScheduler)
@@ -346,26 +348,30 @@ class EDM2Pipeline(DiffusionPipeline):
         latents = latents.to(device=device, dtype=torch.float32) * self.scheduler.init_noise_sigma
 
         self._num_timesteps = len(timesteps)
-        for i, t in enumerate(self.progress_bar(timesteps)):
-            if self.interrupt:
-                continue
-            model_input = self.scheduler.scale_model_input(latents, t)
-            output = self._network_output(self.unet, model_input, t, class_labels)
-            if self.do_guidance:
-                if self.guide_unet is None:
-                    raise ValueError(
-                        f"guidance_scale={self.guidance_scale} (set during the call, before step {i}) needs a guide_unet"
-                    )
-                guide = self._network_output(self.guide_unet, model_input, t, class_labels)
-                output = guide + self.guidance_scale * (output - guide)
-            latents = self.scheduler.step(output, t, latents, generator=generator).prev_sample.to(torch.float32)
-            if callback_on_step_end is not None:
-                callback_kwargs = {}
-                for name in callback_on_step_end_tensor_inputs:
-                    callback_kwargs[name] = locals()[name]
-                callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
-                latents = callback_outputs.pop("latents", latents)
-                class_labels = callback_outputs.pop("class_labels", class_labels)
+        # The networks' normalised weights are computed once per call, not once per evaluation (MPConv layers).
+        with ExitStack() as weight_caches:
+            for network in {id(n): n for n in (self.unet, self.guide_unet) if n is not None}.values():
+                weight_caches.enter_context(cached_weight_normalization(network))
+            for i, t in enumerate(self.progress_bar(timesteps)):
+                if self.interrupt:
+                    continue
+                model_input = self.scheduler.scale_model_input(latents, t)
+                output = self._network_output(self.unet, model_input, t, class_labels)
+                if self.do_guidance:
+                    if self.guide_unet is None:
+                        raise ValueError(
+                            f"guidance_scale={self.guidance_scale} (set during the call, before step {i}) needs a guide_unet"
+                        )
+                    guide = self._network_output(self.guide_unet, model_input, t, class_labels)
+                    output = guide + self.guidance_scale * (output - guide)
+                latents = self.scheduler.step(output, t, latents, generator=generator).prev_sample.to(torch.float32)
+                if callback_on_step_end is not None:
+                    callback_kwargs = {}
+                    for name in callback_on_step_end_tensor_inputs:
+                        callback_kwargs[name] = locals()[name]
+                    callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
+                    latents = callback_outputs.pop("latents", latents)
+                    class_labels = callback_outputs.pop("class_labels", class_labels)
 
         if output_type == "latent":
             images = latents
