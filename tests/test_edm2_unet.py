@@ -351,6 +351,7 @@ def test_loads_in_bfloat16_and_runs_bfloat16_samples(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # inductor compiles C++ kernels: minutes of CPU time
 def test_torch_compile_inductor_fullgraph_without_recompiles():
+    torch._dynamo.reset()  # frames compiled by earlier tests would otherwise count as recompiles here
     model = randomize_gains(tiny_model(num_class_embeds=3, lsc_method="ls")).eval()
     compiled = torch.compile(model, fullgraph=True)
     x, labels = torch.randn(2, 3, 16, 16), torch.tensor([0, 2])
