@@ -51,7 +51,9 @@ from diffusers_scalelong.trainer import (
     load_pretrained_unet,
     load_training_dataset,
     make_noise_scheduler,
+    non_negative_float,
     num_classes,
+    positive_float,
     positive_int,
     run_script_main,
     run_training,
@@ -183,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--prediction_type", choices=("epsilon", "v_prediction"), default="epsilon", help="ddpm: network target"
     )
     recipe.add_argument(
+        "--snr_gamma",
+        type=positive_float,
+        default=None,
+        help="ddpm: Min-SNR loss weighting min(SNR, gamma) / SNR (v: / (SNR + 1)); 5.0 is the paper's choice",
+    )
+    recipe.add_argument(
+        "--noise_offset",
+        type=non_negative_float,
+        default=0.0,
+        help="ddpm: add noise_offset * N(0, 1) per image and channel to the noise (shifts its mean)",
+    )
+    recipe.add_argument(
         "--P_mean",
         type=float,
         default=None,
@@ -264,6 +278,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--class_conditional needs --recipe edm2 (DDPMPipeline samples unconditionally)")
     if args.recipe == "edm2" and args.prediction_type != "epsilon":
         raise ValueError("--prediction_type applies to --recipe ddpm only")
+    if args.recipe == "edm2" and (args.snr_gamma is not None or args.noise_offset):
+        raise ValueError("--snr_gamma and --noise_offset apply to --recipe ddpm only (EDM2 weights its loss itself)")
     if args.recipe == "edm2" and args.P_std <= 0:
         raise ValueError(f"--P_std must be positive, got {args.P_std}")
     if args.dropout is not None and not 0 <= args.dropout < 1:
@@ -333,7 +349,7 @@ def build_recipe(args: argparse.Namespace, parts: PretrainedEDM2Parts, codec: La
     scheduler = make_noise_scheduler(
         args.noise_scheduler, args.ddpm_num_steps, args.ddpm_beta_schedule, args.prediction_type
     )
-    return DDPMRecipe(scheduler)
+    return DDPMRecipe(scheduler, snr_gamma=args.snr_gamma, noise_offset=args.noise_offset)
 
 
 def build_lr_scheduler(args: argparse.Namespace, optimizer: torch.optim.Optimizer, max_steps: int):

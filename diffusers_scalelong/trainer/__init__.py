@@ -19,7 +19,14 @@ from .image_grid import make_image_grid, save_image_atomic, save_image_grid
 from .latents import VAE_PIXEL_RANGES, CachedLatents, LatentCodec, cache_latent_moments
 from .loop import TrainingDiverged, TrainingJob, run_script_main, run_training
 from .model_builders import MODEL_TYPES, build_edm2, build_unet2d, build_uvit
-from .options import add_lsc_args, add_training_args, positive_float, positive_int, validate_training_args
+from .options import (
+    add_lsc_args,
+    add_training_args,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    validate_training_args,
+)
 from .output import ensure_writable_dir, push_run_to_hub, save_pipeline_atomic
 from .pretrained_edm2 import PretrainedEDM2Parts, load_pretrained_edm2_parts
 from .recipes import RECIPES, DDPMRecipe, EDM2Recipe, images_from_numpy, make_noise_scheduler
@@ -70,6 +77,7 @@ __all__ = [
     "make_image_grid",
     "make_noise_scheduler",
     "num_classes",
+    "non_negative_float",
     "positive_float",
     "positive_int",
     "push_run_to_hub",

@@ -22,6 +22,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def sigma_rel(text: str) -> float:
     value = float(text)
     if not 0 < value < SIGMA_REL_MAX:

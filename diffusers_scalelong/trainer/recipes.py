@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDIMPipeline, DDIMScheduler, DDPMPipeline
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from diffusers.training_utils import compute_snr
 
 RECIPES = ("ddpm", "edm2")
 
@@ -34,12 +35,40 @@ def images_from_numpy(array) -> torch.Tensor:
 class DDPMRecipe:
     """Denoising diffusion (Ho et al. 2020): ``x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) n`` with uniform integer ``t``,
     loss ``|| F(x_t, t) - target ||^2`` where the target is ``n`` (epsilon) or ``sqrt(a_t) n - sqrt(1 - a_t) x_0`` (v).
+
+    ``snr_gamma``: Min-SNR weighting (Hang et al. 2023, as diffusers' example scripts): each image's loss is weighted
+    by ``min(SNR_t, gamma) / SNR_t`` (epsilon) or ``min(SNR_t, gamma) / (SNR_t + 1)`` (v), ``SNR_t = a_t / (1 - a_t)``.
+    ``noise_offset``: the noise is ``n + noise_offset * m`` with ``m ~ N(0, 1)`` per image and channel (a shift of
+    the noise mean, as diffusers' ``--noise_offset``).
     """
 
     name = "ddpm"
 
-    def __init__(self, noise_scheduler: SchedulerMixin):
+    def __init__(self, noise_scheduler: SchedulerMixin, snr_gamma: float | None = None, noise_offset: float = 0.0):
+        if snr_gamma is not None and not snr_gamma > 0:
+            raise ValueError(f"--snr_gamma must be positive, got {snr_gamma}")
+        if not noise_offset >= 0:
+            raise ValueError(f"--noise_offset must be >= 0, got {noise_offset}")
         self.noise_scheduler = noise_scheduler
+        self.snr_gamma = snr_gamma
+        self.noise_offset = noise_offset
+
+    def draw_noise(self, images: torch.Tensor) -> torch.Tensor:
+        """Standard normal noise like ``images``, plus ``noise_offset`` times one normal value per image and channel."""
+        noise = torch.randn_like(images)
+        if self.noise_offset:
+            noise += self.noise_offset * torch.randn(images.shape[:2] + (1,) * (images.ndim - 2), device=images.device)
+        return noise
+
+    def loss_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Min-SNR weight of each image's mean squared error (1 without ``snr_gamma``)."""
+        if self.snr_gamma is None:
+            return torch.ones(timesteps.shape, device=timesteps.device)
+        snr = compute_snr(self.noise_scheduler, timesteps)
+        clipped = snr.clamp(max=self.snr_gamma)
+        if self.noise_scheduler.config.prediction_type == "v_prediction":
+            return clipped / (snr + 1)
+        return clipped / snr
 
     def loss(
         self, model: torch.nn.Module, images: torch.Tensor, class_labels: torch.Tensor | None = None, **model_kwargs
@@ -47,7 +76,7 @@ class DDPMRecipe:
         """Mean squared error of the prediction; ``model_kwargs`` (e.g. ``encoder_hidden_states``) go to the model."""
         if class_labels is not None:
             model_kwargs["class_labels"] = class_labels
-        noise = torch.randn_like(images)
+        noise = self.draw_noise(images)
         steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = torch.randint(0, steps, (images.shape[0],), device=images.device)
         noisy = self.noise_scheduler.add_noise(images, noise, timesteps)
@@ -56,7 +85,10 @@ class DDPMRecipe:
             target = self.noise_scheduler.get_velocity(images, noise, timesteps)
         else:
             target = noise
-        return F.mse_loss(prediction.float(), target.float())
+        if self.snr_gamma is None:
+            return F.mse_loss(prediction.float(), target.float())
+        per_image = F.mse_loss(prediction.float(), target.float(), reduction="none").flatten(1).mean(1)
+        return (per_image * self.loss_weights(timesteps)).mean()
 
     def wrap(self, unet: torch.nn.Module) -> torch.nn.Module:
         """The module that is trained: the UNet itself."""
