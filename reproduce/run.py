@@ -45,7 +45,7 @@ SCALES = {
         "width": 16,
         "conv_width": 8,
         "batch": 4,
-        "depths": [2, 4],
+        "depths": [2],
         "lrs": [1e-3, 1e-2],
         "warmup": 2,
         "sweep_steps": 12,

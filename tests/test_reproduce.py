@@ -46,7 +46,7 @@ def test_study_resumes_and_report_regenerates_from_json_lines(tmp_path, capsys, 
     first = capsys.readouterr().out
     counts = line_counts(out)
     assert set(counts) == {"scalelong_sweep.jsonl", "scalelong_compare.jsonl", "edm2_runs.jsonl"}
-    assert counts["scalelong_sweep.jsonl"] == 8  # 2 depths x (2 lrs without warm-up + 2 with)
+    assert counts["scalelong_sweep.jsonl"] == 4  # 2 lrs without warm-up + the same 2 with
     assert counts["scalelong_compare.jsonl"] == 6  # vanilla, CS and LS in the unstable and the stable regime
     assert counts["edm2_runs.jsonl"] == 4  # EDM2 + standard UNet (magnitudes), EDM2 without uncertainty, DDPM
     assert first.count("[") >= sum(counts.values())
