@@ -29,6 +29,7 @@ from diffusers_scalelong.trainer import (
     CaptionedImages,
     DDPMRecipe,
     TrainingJob,
+    add_ddpm_loss_args,
     add_lsc_args,
     add_training_args,
     ensure_writable_dir,
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max_train_samples", type=positive_int, default=None, help="use only the first N images")
     data.add_argument("--validation_prompt", default=None, help="prompt of the PNG sample grids (--save_images_steps)")
     data.add_argument("--lr_scheduler", default="constant", help="diffusers lr schedule (constant, cosine, ...)")
+    add_ddpm_loss_args(parser.add_argument_group("loss"))
     add_training_args(parser, default_batch_size=1)
     return parser
 
@@ -130,7 +132,7 @@ def train(args: argparse.Namespace) -> Path:
     if run.resume_from is not None:
         run.resume_from.check_matches("unet", unet)
     tokenizer, text_encoder, vae = components["tokenizer"], components["text_encoder"], components["vae"]
-    recipe = DDPMRecipe(components["noise_scheduler"])
+    recipe = DDPMRecipe(components["noise_scheduler"], snr_gamma=args.snr_gamma, noise_offset=args.noise_offset)
 
     def loss(module, batch):
         with torch.no_grad():

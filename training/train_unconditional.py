@@ -39,6 +39,7 @@ from diffusers_scalelong.trainer import (
     PretrainedEDM2Parts,
     TrainingImages,
     TrainingJob,
+    add_ddpm_loss_args,
     add_lsc_args,
     add_training_args,
     build_edm2,
@@ -51,9 +52,7 @@ from diffusers_scalelong.trainer import (
     load_pretrained_unet,
     load_training_dataset,
     make_noise_scheduler,
-    non_negative_float,
     num_classes,
-    positive_float,
     positive_int,
     run_script_main,
     run_training,
@@ -184,18 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument(
         "--prediction_type", choices=("epsilon", "v_prediction"), default="epsilon", help="ddpm: network target"
     )
-    recipe.add_argument(
-        "--snr_gamma",
-        type=positive_float,
-        default=None,
-        help="ddpm: Min-SNR loss weighting min(SNR, gamma) / SNR (v: / (SNR + 1)); 5.0 is the paper's choice",
-    )
-    recipe.add_argument(
-        "--noise_offset",
-        type=non_negative_float,
-        default=0.0,
-        help="ddpm: add noise_offset * N(0, 1) per image and channel to the noise (shifts its mean)",
-    )
+    add_ddpm_loss_args(recipe)
     recipe.add_argument(
         "--P_mean",
         type=float,

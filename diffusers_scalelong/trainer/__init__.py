@@ -20,9 +20,9 @@ from .latents import VAE_PIXEL_RANGES, CachedLatents, LatentCodec, cache_latent_
 from .loop import TrainingDiverged, TrainingJob, run_script_main, run_training
 from .model_builders import MODEL_TYPES, build_edm2, build_unet2d, build_uvit
 from .options import (
+    add_ddpm_loss_args,
     add_lsc_args,
     add_training_args,
-    non_negative_float,
     positive_float,
     positive_int,
     validate_training_args,
@@ -57,6 +57,7 @@ __all__ = [
     "TrainingImages",
     "TrainingJob",
     "TrainingRNG",
+    "add_ddpm_loss_args",
     "add_lsc_args",
     "add_training_args",
     "build_edm2",
@@ -77,7 +78,6 @@ __all__ = [
     "make_image_grid",
     "make_noise_scheduler",
     "num_classes",
-    "non_negative_float",
     "positive_float",
     "positive_int",
     "push_run_to_hub",

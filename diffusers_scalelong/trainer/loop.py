@@ -96,9 +96,22 @@ def make_accelerator(args: argparse.Namespace, output_dir: Path) -> Accelerator:
     )
 
 
+def apply_compute_options(args: argparse.Namespace, unet: torch.nn.Module) -> None:
+    """``--allow_tf32`` (torch's CUDA matmul and cuDNN flags) and ``--gradient_checkpointing`` (diffusers'
+    ``enable_gradient_checkpointing``; a model without it is refused by name)."""
+    if args.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if args.gradient_checkpointing:
+        if not getattr(unet, "_supports_gradient_checkpointing", False):
+            raise ValueError(f"--gradient_checkpointing: {type(unet).__name__} does not support it")
+        unet.enable_gradient_checkpointing()
+
+
 def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, run: RunStart) -> Path:
     """Train ``job`` as the options say, starting as ``run`` says (``run_identity.start_run``); returns
     ``output_dir`` holding the pipeline. Raises ``TrainingDiverged``."""
+    apply_compute_options(args, job.unet)
     accelerator = make_accelerator(args, output_dir)
     if accelerator.is_main_process:
         run.clear_discarded(output_dir)

@@ -1,6 +1,7 @@
 """Command-line options shared by the training scripts, and their validation (run before any long work)."""
 
 import argparse
+import importlib.util
 import math
 
 from ..scalelong.coefficients import LSC_METHODS
@@ -43,6 +44,22 @@ def add_lsc_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kappa", type=positive_float, default=0.5, help="kappa of cs / cs_stage: skip i is scaled by kappa^(i-1)"
+    )
+
+
+def add_ddpm_loss_args(group) -> None:
+    """``--snr_gamma`` and ``--noise_offset`` of the DDPM recipe (``DDPMRecipe``), as diffusers' example scripts."""
+    group.add_argument(
+        "--snr_gamma",
+        type=positive_float,
+        default=None,
+        help="ddpm: Min-SNR loss weighting min(SNR, gamma) / SNR (v: / (SNR + 1)); 5.0 is the paper's choice",
+    )
+    group.add_argument(
+        "--noise_offset",
+        type=non_negative_float,
+        default=0.0,
+        help="ddpm: add noise_offset * N(0, 1) per image and channel to the noise (shifts its mean)",
     )
 
 
@@ -120,7 +137,22 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
         default="inductor",
         help="torch.compile backend: inductor generates fused kernels; eager / aot_eager only trace (for debugging)",
     )
-    acc.add_argument("--report_to", choices=("tensorboard", "none"), default="tensorboard", help="where to log metrics")
+    acc.add_argument(
+        "--report_to",
+        "--logger",
+        dest="report_to",
+        choices=("tensorboard", "wandb", "none"),
+        default="tensorboard",
+        help="where to log metrics (--logger is diffusers' unconditional script's name; wandb needs the wandb package)",
+    )
+    acc.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass (less memory, more time; same gradients)",
+    )
+    acc.add_argument(
+        "--allow_tf32", action="store_true", help="allow TF32 matmuls on Ampere+ GPUs (faster, ~10-bit mantissa)"
+    )
     acc.add_argument("--logging_dir", default="logs", help="TensorBoard folder, relative to --output_dir")
     acc.add_argument(
         "--diagnostics_every",
@@ -204,6 +236,10 @@ def validate_training_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and not 0 <= value < 1:
             raise ValueError(f"--{name} must lie in [0, 1), got {value}")
+    if args.report_to == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            "--report_to wandb needs the wandb package: pip install wandb (or use --report_to tensorboard)"
+        )
     if args.mixed_precision == "fp16":
         import torch
 
