@@ -390,13 +390,14 @@ def summary_figure(folder: str, compare: dict, posthoc: dict, recipe: dict) -> N
     """One figure for the README: ScaleLong paired ΔFD per method, post-hoc EMA curve, recipe FD."""
     figure = new_figure(13, 3.8)
     axes = figure.add_subplot(1, 3, 1)
+    methods = list(dict.fromkeys(m for stats in compare.values() for m in stats if m != "none" and stats[m]["deltas"]))
     for offset, (regime, stats) in enumerate(compare.items()):
-        methods = [m for m in stats if m != "none" and stats[m]["deltas"]]
-        xs = [i + 0.2 * offset for i in range(len(methods))]
-        means = [statistics.mean(stats[m]["deltas"]) for m in methods]
-        errors = [statistics.stdev(stats[m]["deltas"]) if len(stats[m]["deltas"]) > 1 else 0 for m in methods]
-        axes.errorbar(xs, means, yerr=errors, fmt="o", capsize=3, label=regime)
-        axes.set_xticks(range(len(methods)), [label(m) for m in methods], rotation=30, fontsize=7)
+        shown = [m for m in methods if m in stats and stats[m]["deltas"]]
+        xs = [methods.index(m) + 0.15 * offset for m in shown]
+        means = [statistics.mean(stats[m]["deltas"]) for m in shown]
+        errors = [statistics.stdev(stats[m]["deltas"]) if len(stats[m]["deltas"]) > 1 else 0 for m in shown]
+        axes.errorbar(xs, means, yerr=errors, fmt="o", capsize=3, label=f"{regime} regime (bars: sd over seeds)")
+    axes.set_xticks(range(len(methods)), [label(m) for m in methods], fontsize=7)
     axes.axhline(0, color="gray", lw=1)
     axes.set_title("ScaleLong: FD - vanilla FD (same seed)", fontsize=9)
     axes.legend(fontsize=7)
@@ -405,6 +406,11 @@ def summary_figure(folder: str, compare: dict, posthoc: dict, recipe: dict) -> N
         sigmas = sorted(posthoc["curve"])
         axes.plot(sigmas, [posthoc["curve"][s] for s in sigmas], marker="o", ms=3)
         axes.set_xscale("log")
+        axes.set_xticks([0.02, 0.05, 0.1, 0.2], ["0.02", "0.05", "0.1", "0.2"])
+        axes.minorticks_off()
+        axes.axhline(posthoc["run"]["raw_fd"], color="gray", ls="--", lw=1, label="raw weights (no EMA)")
+        axes.set_xlabel("sigma_rel")
+        axes.legend(fontsize=7)
         axes.set_title("EDM2 post-hoc EMA: FD vs sigma_rel", fontsize=9)
     if recipe:
         axes = figure.add_subplot(1, 3, 3)

@@ -40,10 +40,15 @@ def scalelong_verdict(stats: dict, noise: dict, rows: list[dict]) -> str:
     seeds = max(len(s["fd"]) for s in stats.values())
     bad = {m: sum(r["loss_diverged"] or stalled(r) for r in rows if r["config"]["method"] == m) for m in stats}
     text = f"Verdict ({seeds} seed(s)): "
-    if better:
+    deltas = ", ".join(
+        f"{m} {statistics.mean(s['deltas']):+.1f}" for m, s in stats.items() if m != "none" and s["deltas"]
+    )
+    if seeds < 2:
+        text += f"one seed cannot be weighed against the seed spread (ΔFD vs vanilla: {deltas})"
+    elif better:
         text += f"FD better than vanilla beyond noise for {', '.join(better)}"
     else:
-        text += "no method improves FD beyond noise (seed spread and sample noise)"
+        text += f"no method improves FD beyond noise (seed spread and sample noise; mean ΔFD: {deltas})"
     if worse:
         text += f"; worse beyond noise for {', '.join(worse)}"
     text += (
