@@ -1,13 +1,17 @@
-"""Training-step cost of EDM2UNet2DModel vs a diffusers UNet2DModel of similar size, and of forced weight normalisation.
+"""EDM2UNet2DModel vs a diffusers UNet2DModel of equal parameter count: training step and sampling step.
 
-Measured side by side, interleaved (every round runs every variant once), median over rounds:
-- fwd+bwd time of a training step (train mode) and the activation memory it needs: the bytes autograd saves for
-  backward (unique storages; on CUDA additionally the peak allocated memory);
-- EDM2 with forced weight normalisation switched off (to price the in-place projection);
-- eval (sampling): two batch-1 forwards per timing, EDM2 with the per-forward weight normalisation and inside
-  ``cached_weight_normalization`` (built on the first forward, reused on the second).
+The configuration is the one of the speed anchor: 1 input channel, widths (64, 128, 128), 2 blocks per level,
+attention at 8x8 (EDM2: 6.75M parameters; UNet2DModel: 6.47M), at 32x32 and 64x64. Measured side by side,
+interleaved (every round runs every variant once), median over rounds:
 
-    python benchmarks/bench_edm2_unet.py --rounds 5 --output benchmarks/results/edm2_unet.md
+- training step: forward + backward in train mode (EDM2 with forced weight normalisation) and the activation memory
+  it needs: the bytes autograd saves for backward (unique storages; on CUDA also the peak allocated memory);
+- sampling step: one no-grad eval forward of the batch; EDM2 also inside ``cached_weight_normalization``;
+- EDM2 in channels-last memory format, and compiled with ``torch.compile`` (``--compile``; inductor, default mode:
+  compile time is reported separately and excluded from the step times);
+- ``--profile``: a torch.profiler table (self CPU time) of one EDM2 training step.
+
+    python benchmarks/bench_edm2_unet.py --rounds 7 --batch 16 --compile --profile
 """
 
 import argparse
@@ -15,44 +19,38 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack
 
 import torch
 from diffusers import UNet2DModel
 from tqdm import tqdm
 
-from diffusers_scalelong.layers import MPConv, cached_weight_normalization
+from diffusers_scalelong.layers import cached_weight_normalization
 from diffusers_scalelong.models import EDM2UNet2DModel
+
+ANCHOR_OFFICIAL_S, ANCHOR_OURS_S, ANCHOR_UNET2D_S = 2.06, 2.10, 1.66
+"""The anchor measurement (train step, batch 16 at 32x32, 1 thread): the official EDM2 network, EDM2UNet2DModel
+before this benchmark's optimisations, UNet2DModel; the official code cannot run here, so it enters as the ratio
+official / UNet2DModel = 2.06 / 1.66 of that run."""
 
 
 def edm2_model(resolution: int) -> EDM2UNet2DModel:
-    levels = (1, 2, 3, 4)
     return EDM2UNet2DModel(
-        sample_size=resolution, in_channels=3, model_channels=32, channel_mult=levels, layers_per_block=2,
-        attention_resolutions=(resolution // 2, resolution // 4), channels_per_head=32,
+        sample_size=resolution, in_channels=1, model_channels=64, channel_mult=(1, 2, 2), layers_per_block=2,
+        attention_resolutions=(8,), channels_per_head=64,
     )  # fmt: skip
 
 
 def diffusers_model(resolution: int) -> UNet2DModel:
     return UNet2DModel(
-        sample_size=resolution, in_channels=3, out_channels=3, block_out_channels=(32, 64, 96, 128),
-        layers_per_block=2, attention_head_dim=32, norm_num_groups=16,
-        down_block_types=("DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "AttnUpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        sample_size=resolution, in_channels=1, out_channels=1, block_out_channels=(64, 128, 128), layers_per_block=2,
+        down_block_types=("DownBlock2D", "DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D", "UpBlock2D"), attention_head_dim=64,
     )  # fmt: skip
-
-
-@contextmanager
-def forced_weight_normalization_disabled():
-    original = MPConv.force_weight_normalization
-    MPConv.force_weight_normalization = lambda self: None
-    try:
-        yield
-    finally:
-        MPConv.force_weight_normalization = original
 
 
 def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
@@ -83,134 +81,195 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return clock() - start
 
 
-def run(resolution: int, batch_size: int, rounds: int, device: torch.device) -> list[dict]:
+class Variant:
+    """One timed case: ``step()`` returns a loss (training) or runs a no-grad forward (sampling)."""
+
+    def __init__(self, name: str, kind: str, model: torch.nn.Module, step: Callable[[], torch.Tensor | None]):
+        self.name, self.kind, self.model, self.step = name, kind, model, step
+        self.times: list[float] = []
+        self.compile_s: float | None = None
+
+    def run(self) -> None:
+        if self.kind == "train":
+            self.model.train()
+            self.model.zero_grad(set_to_none=True)
+            self.step().backward()
+        else:
+            self.model.eval()
+            with torch.no_grad():
+                self.step()
+
+
+def build_variants(
+    resolution: int, batch: int, device: torch.device, compile_: bool, contexts: ExitStack
+) -> list[Variant]:
     torch.manual_seed(0)
     edm2, reference = edm2_model(resolution).to(device), diffusers_model(resolution).to(device)
-    x = torch.randn(batch_size, 3, resolution, resolution, device=device)
-    c_noise = torch.full((batch_size,), 0.1, device=device)
-    integer_t = torch.full((batch_size,), 500, device=device)
+    edm2_cl = edm2_model(resolution).to(device, memory_format=torch.channels_last)
+    edm2_cl.load_state_dict(edm2.state_dict())
+    # A sampling loop enters the cache once: a separate eval copy keeps it valid across rounds (the training
+    # variants project the other copy's weights in place, which would invalidate it every round).
+    edm2_cached = contexts.enter_context(cached_weight_normalization(edm2_model(resolution).to(device).eval()))
+    edm2_cached.load_state_dict(edm2.state_dict())
+    x = torch.randn(batch, 1, resolution, resolution, device=device)
+    x_cl = x.to(memory_format=torch.channels_last)
+    c_noise = torch.full((batch,), 0.1, device=device)
+    integer_t = torch.full((batch,), 500, device=device)
 
-    def train_edm2() -> torch.Tensor:
-        return edm2(x, c_noise).sample.square().mean() + edm2.out_gain.square()  # out_gain = 0: keep every grad
+    def edm2_loss(model: torch.nn.Module, sample: torch.Tensor) -> Callable[[], torch.Tensor]:
+        # out_gain starts at 0: adding its square keeps every parameter's gradient in the graph.
+        return lambda: model(sample, c_noise).sample.square().mean() + edm2.out_gain.square()
 
-    def train_reference() -> torch.Tensor:
-        return reference(x, integer_t).sample.square().mean()
+    variants = [
+        Variant("EDM2UNet2DModel", "train", edm2, edm2_loss(edm2, x)),
+        Variant("EDM2UNet2DModel, channels-last", "train", edm2_cl, edm2_loss(edm2_cl, x_cl)),
+        Variant("diffusers UNet2DModel", "train", reference, lambda: reference(x, integer_t).sample.square().mean()),
+        Variant("EDM2UNet2DModel", "sample", edm2, lambda: edm2(x, c_noise)),
+        Variant("EDM2UNet2DModel, cached weight normalisation", "sample", edm2_cached, lambda: edm2_cached(x, c_noise)),
+        Variant("EDM2UNet2DModel, channels-last", "sample", edm2_cl, lambda: edm2_cl(x_cl, c_noise)),
+        Variant("diffusers UNet2DModel", "sample", reference, lambda: reference(x, integer_t)),
+    ]
+    if compile_:
+        compiled = torch.compile(edm2)  # one graph per mode (train / eval), both kept in dynamo's cache
+        variants += [
+            Variant("EDM2UNet2DModel, torch.compile", "train", edm2, edm2_loss(compiled, x)),
+            Variant("EDM2UNet2DModel, torch.compile", "sample", edm2, lambda: compiled(x, c_noise)),
+        ]
+        for variant in variants[-2:]:
+            start = time.perf_counter()
+            variant.run()  # the compilation (wall clock), then one more call to settle
+            variant.run()
+            variant.compile_s = time.perf_counter() - start
+    return variants
 
-    def train_edm2_without_forced_wn() -> torch.Tensor:
-        with forced_weight_normalization_disabled():
-            return train_edm2()
 
-    def backward(step: Callable[[], torch.Tensor], model: torch.nn.Module) -> Callable[[], None]:
-        def fn():
-            model.zero_grad(set_to_none=True)
-            step().backward()
-
-        return fn
-
-    train_variants = {
-        "EDM2UNet2DModel, train step": (edm2, train_edm2),
-        "EDM2UNet2DModel, train step, forced WN off": (edm2, train_edm2_without_forced_wn),
-        "diffusers UNet2DModel, train step": (reference, train_reference),
-    }
-    edm2_eval = edm2_model(resolution).to(device).eval()
-
-    def two_forwards(model: torch.nn.Module, t: torch.Tensor, cached: bool = False) -> Callable[[], None]:
-        def fn():
-            with cached_weight_normalization(model) if cached else nullcontext():
-                for _ in range(2):
-                    model(x[:1], t[:1])
-
-        return fn
-
-    eval_variants = {
-        "EDM2UNet2DModel, eval": two_forwards(edm2_eval, c_noise),
-        "EDM2UNet2DModel, eval, cached weight normalisation": two_forwards(edm2_eval, c_noise, cached=True),
-        "diffusers UNet2DModel, eval": two_forwards(reference, integer_t),
-    }
-    times: dict[str, list[float]] = {name: [] for name in [*train_variants, *eval_variants]}
-    for _ in tqdm(range(rounds + 1), desc=f"{resolution}x{resolution}", leave=False):
-        for name, (model, step) in train_variants.items():
-            model.train()
-            times[name].append(timed(backward(step, model), device))
-        reference.eval()
-        with torch.no_grad():
-            for name, forward in eval_variants.items():
-                times[name].append(timed(forward, device))
-
+def run(resolution: int, batch: int, rounds: int, device: torch.device, compile_: bool) -> list[dict]:
+    with ExitStack() as contexts:
+        variants = build_variants(resolution, batch, device, compile_, contexts)
+        for _ in tqdm(range(rounds + 1), desc=f"{resolution}x{resolution}", leave=False):
+            for variant in variants:
+                variant.times.append(timed(variant.run, device))
     rows = []
-    for name, samples in times.items():
-        samples = samples[1:]  # the first round warms up
-        row = {"resolution": resolution, "variant": name, "median_s": statistics.median(samples)}
-        row["batch"] = batch_size if name in train_variants else 1
-        row["throughput"] = (row["batch"] if name in train_variants else 2) / row["median_s"]
-        if name in train_variants:
-            model, step = train_variants[name]
-            model.train()
-            row["params_M"] = sum(p.numel() for p in model.parameters()) / 1e6
+    for variant in variants:
+        samples = variant.times[1:]  # the first round warms up
+        row = {"resolution": resolution, "kind": variant.kind, "variant": variant.name, "batch": batch}
+        row["median_s"] = statistics.median(samples)
+        row["spread"] = (max(samples) - min(samples)) / row["median_s"]
+        row["compile_s"] = variant.compile_s
+        if variant.kind == "train":
+            variant.model.train()
+            row["params_M"] = sum(p.numel() for p in variant.model.parameters()) / 1e6
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            row["saved_MiB"] = saved_activation_bytes(step) / 2**20
+            variant.model.zero_grad(set_to_none=True)
+            row["saved_MiB"] = saved_activation_bytes(variant.step) / 2**20
             if device.type == "cuda":
                 row["peak_MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
         rows.append(row)
     return rows
 
 
-def write_markdown(rows: list[dict], args: argparse.Namespace, device: torch.device, path: str) -> None:
+def profile_table(batch: int, device: torch.device, row_limit: int = 15) -> str:
+    """Self-CPU-time table of one EDM2 training step at 32x32 (after a warm-up step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with ExitStack() as contexts:
+        variant = next(v for v in build_variants(32, batch, device, False, contexts) if v.kind == "train")
+    variant.run()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        variant.run()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit, max_name_column_width=50)
+
+
+def machine_description(device: torch.device) -> str:
+    model_name = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model_name = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
+    except (OSError, StopIteration):
+        pass
+    text = f"{model_name}, {os.cpu_count()} CPUs, torch {torch.__version__}, device {device}"
+    if device.type == "cuda":
+        text += f" ({torch.cuda.get_device_name(device)})"
+    return text + f", {torch.get_num_threads()} torch threads"
+
+
+def ratio_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    official_per_unet2d = ANCHOR_OFFICIAL_S / ANCHOR_UNET2D_S
+    for resolution in sorted({row["resolution"] for row in rows}):
+        t = {(row["kind"], row["variant"]): row["median_s"] for row in rows if row["resolution"] == resolution}
+        for kind, label in (("train", "training step"), ("sample", "sampling step")):
+            unet2d = t[(kind, "diffusers UNet2DModel")]
+            parts = []
+            for name, value in t.items():
+                if name[0] == kind and name[1] != "diffusers UNet2DModel":
+                    vs_official = ""
+                    if resolution == 32 and kind == "train":
+                        vs_official = f", {value / unet2d / official_per_unet2d:.2f}x the official network"
+                    parts.append(f"{name[1]} {value / unet2d:.2f}x{vs_official}")
+            lines.append(f"- {resolution}x{resolution} {label}, time relative to UNet2DModel: " + "; ".join(parts))
+    return lines
+
+
+def write_markdown(rows: list[dict], args: argparse.Namespace, device: torch.device, profile: str | None) -> None:
+    cuda = device.type == "cuda"
+    command = (
+        f"python benchmarks/bench_edm2_unet.py --rounds {args.rounds} --batch {args.batch} --threads {args.threads}"
+    )
+    command += " --compile" * args.compile + " --profile" * args.profile
     lines = [
-        "# EDM2UNet2DModel vs diffusers UNet2DModel: training-step cost",
+        "# EDM2UNet2DModel vs diffusers UNet2DModel: training and sampling step",
         "",
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, device {device}"
-        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-        + f", {torch.get_num_threads()} torch threads",
-        f"- command: `python benchmarks/bench_edm2_unet.py --rounds {args.rounds} --batch_32 {args.batch_32} "
-        f"--batch_64 {args.batch_64} --threads {args.threads}`",
-        "- interleaved: every round runs every variant once; median of the rounds after one warm-up round.",
+        f"- machine: {machine_description(device)}",
+        f"- load average (1, 5, 15 min) at start: {args.load_start}; at end: {os.getloadavg()}",
+        f"- command: `{command}`",
+        "- interleaved: every round runs every variant once; median of the rounds after one warm-up round; spread = "
+        "(max - min) / median over those rounds.",
         "- time: "
-        + ("wall clock (synchronised)" if device.type == "cuda" else "process CPU time (all threads)")
-        + "; throughput = samples/s for training steps, forwards/s for eval (two forwards of batch 1).",
+        + ("wall clock (synchronised)" if cuda else "process CPU time (all threads)")
+        + "; training step = forward + backward of a batch, sampling step = one no-grad forward of the batch.",
         f"- note: {args.note}" if args.note else "",
         "",
-        "| res | variant | params (M) | batch | median time (s) | throughput | saved for backward (MiB) |"
-        + (" peak (MiB) |" if device.type == "cuda" else ""),
-        "|---|---|---|---|---|---|---|" + ("---|" if device.type == "cuda" else ""),
+        "| res | step | variant | params (M) | batch | median (s) | spread | compile (s) | saved for backward (MiB) |"
+        + (" peak (MiB) |" if cuda else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""),
     ]
     for row in rows:
         params = f"{row['params_M']:.2f}" if "params_M" in row else ""
         saved = f"{row['saved_MiB']:.0f}" if "saved_MiB" in row else ""
+        compile_s = f"{row['compile_s']:.0f}" if row["compile_s"] is not None else ""
         line = (
-            f"| {row['resolution']} | {row['variant']} | {params} | {row['batch']} | {row['median_s']:.4f} "
-            f"| {row['throughput']:.1f} | {saved} |"
+            f"| {row['resolution']} | {row['kind']} | {row['variant']} | {params} | {row['batch']} "
+            f"| {row['median_s']:.4f} | {row['spread']:.0%} | {compile_s} | {saved} |"
         )
-        if device.type == "cuda":
-            line += f" {row.get('peak_MiB', 0):.0f} |" if "peak_MiB" in row else " |"
+        if cuda:
+            line += f" {row['peak_MiB']:.0f} |" if "peak_MiB" in row else " |"
         lines.append(line)
-    lines += ["", "Ratios (same resolution, medians):", ""]
-    for resolution in sorted({row["resolution"] for row in rows}):
-        t = {row["variant"]: row for row in rows if row["resolution"] == resolution}
-        edm2, no_wn = t["EDM2UNet2DModel, train step"], t["EDM2UNet2DModel, train step, forced WN off"]
-        ref = t["diffusers UNet2DModel, train step"]
-        plain, cached = t["EDM2UNet2DModel, eval"], t["EDM2UNet2DModel, eval, cached weight normalisation"]
-        lines.append(
-            f"- {resolution}x{resolution}: EDM2 train step {edm2['median_s'] / ref['median_s']:.2f}x the time and "
-            f"{edm2['saved_MiB'] / ref['saved_MiB']:.2f}x the saved activations of UNet2DModel; forced weight "
-            f"normalisation {100 * (edm2['median_s'] / no_wn['median_s'] - 1):+.1f}% of the step; cached weight "
-            f"normalisation {100 * (cached['median_s'] / plain['median_s'] - 1):+.1f}% eval time; EDM2 eval "
-            f"{plain['median_s'] / t['diffusers UNet2DModel, eval']['median_s']:.2f}x UNet2DModel's."
-        )
+    lines += ["", "Ratios (same resolution and run, medians):", "", *ratio_lines(rows)]
+    lines += [
+        "",
+        f"The official network's time enters through the anchor run (official {ANCHOR_OFFICIAL_S} s, UNet2DModel "
+        f"{ANCHOR_UNET2D_S} s at 32x32, batch 16): official = {ANCHOR_OFFICIAL_S / ANCHOR_UNET2D_S:.3f} x UNet2DModel.",
+    ]
+    if profile:
+        lines += ["", "Profile of one EDM2UNet2DModel training step (32x32, self CPU time):", "", "```", profile, "```"]
     lines.append("")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as handle:
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(args.output)), delete=False) as handle:
         handle.write("\n".join(line for line in lines if line is not None) + "\n")
-    os.replace(handle.name, path)
+    os.replace(handle.name, args.output)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (after one warm-up round)")
-    parser.add_argument("--batch_32", type=int, default=8, help="training batch size at 32x32")
-    parser.add_argument("--batch_64", type=int, default=2, help="training batch size at 64x64")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per variant (after one warm-up round)")
+    parser.add_argument("--batch", type=int, default=16, help="batch size at 32x32 (other sizes: same pixels per step)")
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[32, 64], help="image sizes (multiples of 4)")
+    parser.add_argument("--compile", action="store_true", help="add torch.compile (inductor) variants")
+    parser.add_argument("--profile", action="store_true", help="add a torch.profiler table of one training step")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 avoids spin-wait noise)")
     parser.add_argument("--note", default="", help="free text for the results file (e.g. 'machine shared')")
@@ -218,12 +277,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.batch < 1:
+        parser.error("--batch must be >= 1")
+    if any(r < 4 or r % 4 for r in args.resolutions):
+        parser.error("--resolutions must be positive multiples of 4 (the networks down-sample twice)")
+    args.load_start = os.getloadavg()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    rows = run(32, args.batch_32, args.rounds, device) + run(64, args.batch_64, args.rounds, device)
+    profile = profile_table(args.batch, device) if args.profile else None
+    # Larger images get a proportionally smaller batch: the same pixels per step (batch 16 at 32x32 = 4 at 64x64).
+    batches = {r: max(1, args.batch * 32**2 // r**2) for r in args.resolutions}
+    rows = [row for r in args.resolutions for row in run(r, batches[r], args.rounds, device, args.compile)]
     for row in rows:
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-    write_markdown(rows, args, device, args.output)
+    write_markdown(rows, args, device, profile)
     print(f"wrote {args.output}")
 
 
