@@ -191,11 +191,11 @@ def test_tensor_reference_and_bad_inputs(real_sets):
     # the float32 mean of three equal values is the value up to an ulp (3x rounds): 4e-8 relative measured
     assert {key: rgb[key] for key in direct} == pytest.approx(direct, rel=1e-5)
     with pytest.raises(ValueError, match="C = 1 or 3"):
-        metrics.compute_fd_kid(torch.zeros(4, 2, 28, 28))
+        metrics.compute_fd_kid(torch.full((4, 2, 28, 28), -1.0))
     with pytest.raises(ValueError, match="reference must be one of"):
-        metrics.compute_fd_kid(torch.zeros(4, 1, 28, 28), reference="cifar10")
+        metrics.compute_fd_kid(torch.full((4, 1, 28, 28), -1.0), reference="cifar10")
     with pytest.raises(ValueError, match="feature_space must be one of"):
-        metrics.compute_fd_kid(torch.zeros(4, 1, 28, 28), feature_space="inception")
+        metrics.compute_fd_kid(torch.full((4, 1, 28, 28), -1.0), feature_space="inception")
 
 
 def _installed_train_split():
@@ -248,3 +248,24 @@ def test_efficientnet_metric_monotone_in_noise(real_sets):
         values = [c[key] for c in curve]
         # 1280-d features from 500 images: the real-vs-real value carries a large small-sample bias.
         assert values == sorted(values) and values[0] < 0.5 * values[-1], (key, values)
+
+
+def test_images_outside_the_documented_range_are_refused(real_sets):
+    a, b, _ = real_sets
+    kwargs = dict(reference=b[:50], kid_subsets=5, kid_subset_size=20)
+    pixels = ((a[:50] + 1) * 127.5).round().to(torch.uint8)
+    with pytest.raises(ValueError, match=r"float tensor.*torch.uint8.*127.5 - 1"):
+        metrics.compute_fd_kid(pixels, **kwargs)
+    unit = (a[:50] + 1) / 2  # what EDM2Pipeline(output_type="pt") returns
+    with pytest.raises(ValueError, match=r"all in \[0, 1\].*value_range=\(0, 1\)"):
+        metrics.compute_fd_kid(unit, **kwargs)
+    # the same float operations as images * 2 - 1 on both sides: exact
+    assert metrics.compute_fd_kid(
+        unit, value_range=(0, 1), reference=(b[:50] + 1) / 2, kid_subsets=5, kid_subset_size=20
+    ) == metrics.compute_fd_kid(unit * 2 - 1, **kwargs)
+    with pytest.raises(ValueError, match=r"in \[-1.0, 1.0\], got values in \[-1, 3\]"):
+        metrics.compute_fd_kid(a[:50] * 2 + 1, **kwargs)
+    broken = a[:50].clone()
+    broken[3, 0, :2, 0] = float("nan")
+    with pytest.raises(ValueError, match="2 non-finite values"):
+        metrics.compute_fd_kid(broken, **kwargs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -57,10 +58,13 @@ def compute_fd_kid(
     seed: int = 0,
     kid_subsets: int = 100,
     kid_subset_size: int = 1000,
+    value_range: tuple[float, float] = (-1.0, 1.0),
 ) -> dict[str, float | int | str]:
     """Frechet distance and KID between ``images`` and real reference images in a classifier's feature space.
 
-    ``images``: float ``[N, C, H, W]`` in ``[-1, 1]`` (C = 1 or 3, any size; resized inside the extractor).
+    ``images``: float ``[N, C, H, W]`` in ``value_range`` (C = 1 or 3, any size; resized inside the extractor);
+    pass ``value_range=(0, 1)`` for what ``EDM2Pipeline(output_type="pt")`` returns. Integer, non-finite or
+    out-of-range images raise ``ValueError``, as do ``[-1, 1]`` images that are all in ``[0, 1]`` (a range mix-up).
     ``reference``: ``"fashion-mnist-test"`` (embedded), ``"fashion-mnist-train"`` (IDX files), or an image tensor
     like ``images``. Named references are first brought to the generated images' resolution (bicubic, as the
     training transform does) so that a model that reproduces its training data exactly scores ~0; their features
@@ -71,9 +75,9 @@ def compute_fd_kid(
     never with published Inception FIDs.
     """
     extractor = get_feature_extractor(feature_space)
-    generated = extractor(images)
+    generated = extractor(_to_unit_range("images", images, value_range))
     if isinstance(reference, torch.Tensor):
-        real = extractor(reference)
+        real = extractor(_to_unit_range("reference", reference, value_range))
         reference_name = f"tensor[{len(reference)}]"
     else:
         square = images.shape[-1] == images.shape[-2]
@@ -85,6 +89,42 @@ def compute_fd_kid(
         "feature_space": feature_space,
         "reference": reference_name,
     }
+
+
+# Values past the range by less than this are float rounding (e.g. x * 2 - 1 of a [0, 1] float32 image).
+_RANGE_SLACK = 1e-4
+
+
+def _to_unit_range(name: str, images: torch.Tensor, value_range: tuple[float, float]) -> torch.Tensor:
+    """Check ``images`` (float ``[N, C, H, W]``, finite, inside ``value_range``) and map them to ``[-1, 1]``."""
+    low, high = (float(v) for v in value_range)
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"value_range must be two finite numbers (low, high) with low < high, got {value_range}")
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or not images.is_floating_point():
+        described = (
+            f"{images.dtype} tensor of shape {tuple(images.shape)}"
+            if isinstance(images, torch.Tensor)
+            else type(images).__name__
+        )
+        raise ValueError(
+            f"{name} must be a float tensor [N, C, H, W] with values in {list(value_range)}, got a {described} "
+            "(uint8 pixels: pass pixels.float() / 127.5 - 1)"
+        )
+    bad = int((~torch.isfinite(images)).sum())
+    if bad:
+        raise ValueError(f"{name} hold {bad} non-finite values (NaN or inf); the metric needs finite images")
+    lowest, highest = float(images.min()), float(images.max())
+    if lowest < low - _RANGE_SLACK or highest > high + _RANGE_SLACK:
+        raise ValueError(
+            f"{name} must lie in {list(value_range)}, got values in [{lowest:.4g}, {highest:.4g}]; "
+            "pass value_range=(low, high) for other ranges"
+        )
+    if (low, high) == (-1.0, 1.0) and lowest >= 0.0:
+        raise ValueError(
+            f"{name} are all in [0, 1] although value_range is [-1, 1]: images from EDM2Pipeline(output_type='pt') "
+            "are in [0, 1]; pass value_range=(0, 1) or images * 2 - 1"
+        )
+    return ((images - low) / (high - low) * 2 - 1).clamp(-1, 1)
 
 
 def fd_kid_from_features(
