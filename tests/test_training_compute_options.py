@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from _tiny_models import TINY_UNET
+from _tiny_models import TINY_ATTENTION_UNET, TINY_UNET
 from _training_scripts import TINY_UNET as TINY_UNET_ARGS
 from _training_scripts import TRAIN_UNCONDITIONAL, load_script_module, run_script
 from diffusers import DDPMScheduler
@@ -14,11 +14,12 @@ from safetensors.torch import load_file
 
 from diffusers_scalelong import ScaleLongUNet2DModel
 from diffusers_scalelong.trainer import DDPMRecipe
-from diffusers_scalelong.trainer.loop import apply_compute_options
+from diffusers_scalelong.trainer.loop import adamw_class, apply_compute_options
 
 
 def compute_args(**overrides) -> argparse.Namespace:
-    return argparse.Namespace(**{"allow_tf32": False, "gradient_checkpointing": False, **overrides})
+    flags = ("allow_tf32", "gradient_checkpointing", "enable_xformers_memory_efficient_attention", "use_8bit_adam")
+    return argparse.Namespace(**{**dict.fromkeys(flags, False), **overrides})
 
 
 def loss_and_grads(unet: torch.nn.Module, images: torch.Tensor):
@@ -56,6 +57,32 @@ def test_allow_tf32_sets_torch_flags():
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("xformers") is not None, reason="the message is for machines without xformers"
+)
+def test_xformers_flag_without_xformers_says_so_and_changes_nothing(capsys):
+    unet = ScaleLongUNet2DModel(**TINY_ATTENTION_UNET)
+    processors = [type(m.processor) for m in unet.modules() if hasattr(m, "processor")]
+    apply_compute_options(compute_args(enable_xformers_memory_efficient_attention=True), unet)
+    assert "xformers is not installed; attention keeps torch's scaled_dot_product_attention" in capsys.readouterr().out
+    assert processors and [type(m.processor) for m in unet.modules() if hasattr(m, "processor")] == processors
+
+
+def test_8bit_adam_needs_bitsandbytes():
+    assert adamw_class(compute_args()) is torch.optim.AdamW
+    script = load_script_module(TRAIN_UNCONDITIONAL)
+    args = script.build_parser().parse_args(["--output_dir", "x", "--use_8bit_adam"])
+    if importlib.util.find_spec("bitsandbytes") is None:
+        with pytest.raises(
+            ValueError, match="--use_8bit_adam needs the bitsandbytes package: pip install bitsandbytes"
+        ):
+            script.validate_args(args)
+    else:
+        import bitsandbytes
+
+        assert adamw_class(args) is bitsandbytes.optim.AdamW8bit
 
 
 def test_logger_is_report_to_and_wandb_needs_its_package():

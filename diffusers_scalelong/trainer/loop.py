@@ -5,6 +5,7 @@ build the pipeline) and calls :func:`run_training` with its parsed options (see 
 """
 
 import argparse
+import importlib.util
 import logging
 import math
 import sys
@@ -97,8 +98,9 @@ def make_accelerator(args: argparse.Namespace, output_dir: Path) -> Accelerator:
 
 
 def apply_compute_options(args: argparse.Namespace, unet: torch.nn.Module) -> None:
-    """``--allow_tf32`` (torch's CUDA matmul and cuDNN flags) and ``--gradient_checkpointing`` (diffusers'
-    ``enable_gradient_checkpointing``; a model without it is refused by name)."""
+    """``--allow_tf32`` (torch's CUDA matmul and cuDNN flags), ``--gradient_checkpointing`` (diffusers'
+    ``enable_gradient_checkpointing``; a model without it is refused by name) and
+    ``--enable_xformers_memory_efficient_attention`` (a message where it cannot apply)."""
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -106,6 +108,30 @@ def apply_compute_options(args: argparse.Namespace, unet: torch.nn.Module) -> No
         if not getattr(unet, "_supports_gradient_checkpointing", False):
             raise ValueError(f"--gradient_checkpointing: {type(unet).__name__} does not support it")
         unet.enable_gradient_checkpointing()
+    if args.enable_xformers_memory_efficient_attention:
+        if importlib.util.find_spec("xformers") is None:
+            print(
+                "--enable_xformers_memory_efficient_attention: xformers is not installed; attention keeps torch's "
+                "scaled_dot_product_attention"
+            )
+        elif not hasattr(unet, "set_attn_processor"):
+            print(
+                f"--enable_xformers_memory_efficient_attention: {type(unet).__name__} has no attention processors; "
+                "its attention is unchanged"
+            )
+        else:
+            unet.enable_xformers_memory_efficient_attention()
+
+
+def adamw_class(args: argparse.Namespace) -> type[torch.optim.Optimizer]:
+    """``torch.optim.AdamW``, or bitsandbytes' ``AdamW8bit`` with ``--use_8bit_adam``."""
+    if not args.use_8bit_adam:
+        return torch.optim.AdamW
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise ValueError("--use_8bit_adam needs the bitsandbytes package: pip install bitsandbytes") from error
+    return bitsandbytes.optim.AdamW8bit
 
 
 def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, run: RunStart) -> Path:
@@ -136,7 +162,7 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
         )
     job.module.train()
     trainable = [p for p in job.module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
+    optimizer = adamw_class(args)(
         trainable,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),

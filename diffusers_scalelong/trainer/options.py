@@ -108,6 +108,9 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
     opt.add_argument("--adam_weight_decay", type=float, default=None, help="AdamW weight decay (default: the recipe's)")
     opt.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="Adam epsilon")
     opt.add_argument(
+        "--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW (needs the bitsandbytes package)"
+    )
+    opt.add_argument(
         "--max_grad_norm", type=float, default=None, help="gradient clipping norm, 0 = off (default: the recipe's)"
     )
 
@@ -149,6 +152,12 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
         "--gradient_checkpointing",
         action="store_true",
         help="recompute activations in the backward pass (less memory, more time; same gradients)",
+    )
+    acc.add_argument(
+        "--enable_xformers_memory_efficient_attention",
+        action="store_true",
+        help="xformers attention in the trained model; without the xformers package (or for a model without "
+        "attention processors) a message says so and torch's scaled_dot_product_attention is kept",
     )
     acc.add_argument(
         "--allow_tf32", action="store_true", help="allow TF32 matmuls on Ampere+ GPUs (faster, ~10-bit mantissa)"
@@ -236,6 +245,8 @@ def validate_training_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and not 0 <= value < 1:
             raise ValueError(f"--{name} must lie in [0, 1), got {value}")
+    if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("--use_8bit_adam needs the bitsandbytes package: pip install bitsandbytes")
     if args.report_to == "wandb" and importlib.util.find_spec("wandb") is None:
         raise ValueError(
             "--report_to wandb needs the wandb package: pip install wandb (or use --report_to tensorboard)"
