@@ -163,7 +163,7 @@ def test_converter_reads_the_method_from_the_gates_and_rejects_conflicts():
     assert config["lsc_method"] == "ls_nonshared" and config["lsc_reduction"] == 16
     assert "lsc.gates.1.fc1.weight" in state and not any(k.startswith("se.") for k in state)
     # official se.0 gates the innermost skip; ours index 0 is the outermost
-    torch.testing.assert_close(state["lsc.gates.1.fc1.weight"], official_state_dict(4)["se.0.layer1.weight"])
+    assert torch.equal(state["lsc.gates.1.fc1.weight"], official_state_dict(4)["se.0.layer1.weight"])  # copied
     with pytest.raises(ValueError, match="carries ls_nonshared gates"):
         convert_uvit_state_dict(official_state_dict(4), num_heads=HEADS, lsc_method="cs")
     with pytest.raises(ValueError, match="needs the official se gate weights of ls"):

@@ -244,6 +244,7 @@ def test_transform_range_and_exact_values():
     image = Image.fromarray(pixels.astype(np.uint8))
     x = data.ImageTransform(resolution=28)(image)
     assert x.shape == (1, 28, 28) and x.dtype == torch.float32
+    # float32 defaults: the transform scales by 1/255 then normalises with mean = std = 0.5, another rounding
     torch.testing.assert_close(x[0], torch.from_numpy(pixels).float() / 127.5 - 1)
     assert x.min() == -1 and x.max() == 1
 

@@ -80,6 +80,7 @@ def test_two_processes_match_one_with_the_same_global_batch(runs):
     # same images per global batch, different noise draws: the curves agree up to sampling noise
     assert one[:4].mean() > 1.3 * one[-8:].mean() and two[:4].mean() > 1.3 * two[-8:].mean(), "the loss did not fall"
     smooth = np.ones(6) / 6
+    # different noise draws: 6-step moving averages of per-step losses still differ by sampling noise (loss ~1)
     assert np.abs(np.convolve(one, smooth, "valid") - np.convolve(two, smooth, "valid")).max() < 0.15
     assert abs(one.mean() - two.mean()) < 0.05
 
@@ -103,5 +104,5 @@ def test_tensorboard_gets_lr_grad_norm_and_scalelong_diagnostics(runs):
         tags = set(events.Tags()["scalars"])
         assert {"loss", "lr", "grad_norm", "grad/global", "skip/1/scaled", "skip/1/decoder", "block/mid"} <= tags
         assert [s.step for s in events.Scalars("skip/1/scaled")] == [6, 12, 18, 24]
-        assert events.Scalars("lr")[0].value == pytest.approx(2e-3)
+        assert events.Scalars("lr")[0].value == pytest.approx(2e-3)  # stored as float32: 6e-8 relative
         assert (output / "stability.png").is_file()
