@@ -254,13 +254,14 @@ def load_image_dataset(
     image_column: str | None = None,
     label_column: str | None = None,
     cache_dir: str | os.PathLike | None = None,
+    config_name: str | None = None,
 ) -> datasets.Dataset:
     """Load an image dataset and normalise its columns to ``image`` (and ``label`` when there is one).
 
     * neither ``dataset_name`` nor ``train_data_dir``: the embedded Fashion-MNIST test split (whatever ``split``);
     * ``dataset_name`` ``"fashion-mnist"`` (or ``"fashion_mnist"``): the IDX files of ``split`` from the default
       locations (:func:`load_fashion_mnist`), falling back to the embedded copy for ``split="test"``;
-    * any other ``dataset_name``: ``datasets.load_dataset(dataset_name, split=split)`` - a local folder/script or a
+    * any other ``dataset_name``: ``datasets.load_dataset(dataset_name, config_name, split=split)`` - a local folder or a
       dataset already in the local ``datasets`` cache (nothing is downloaded when ``HF_HUB_OFFLINE=1``);
     * ``train_data_dir``: a folder of images read with the ``imagefolder`` builder (sub-folders become labels).
 
@@ -284,7 +285,7 @@ def load_image_dataset(
             raise ValueError(f"train_data_dir {str(train_data_dir)!r} is not a folder")
         dataset = datasets.load_dataset("imagefolder", data_dir=str(train_data_dir), split=split, cache_dir=cache_dir)
     else:
-        dataset = datasets.load_dataset(dataset_name, split=split, cache_dir=cache_dir)
+        dataset = datasets.load_dataset(dataset_name, config_name, split=split, cache_dir=cache_dir)
     return _normalise_columns(dataset, image_column, label_column)
 
 

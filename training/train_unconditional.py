@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--train_data_dir", default=None, help="a folder of images (imagefolder; sub-folders are classes)"
     )
     data.add_argument("--dataset_split", default="train", help="split of --dataset_name / --train_data_dir")
+    data.add_argument("--dataset_config_name", default=None, help="configuration of --dataset_name (if it has several)")
+    data.add_argument("--cache_dir", default=None, help="`datasets` cache folder (default: the datasets library's)")
     data.add_argument("--image_column", default=None, help="image column (default: the first image column)")
     data.add_argument("--label_column", default=None, help="label column for --class_conditional (default: label)")
     data.add_argument(
@@ -260,6 +262,8 @@ def validate_args(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if args.dataset_name and args.train_data_dir:
         raise ValueError("pass either --dataset_name or --train_data_dir, not both")
+    if args.dataset_config_name and not args.dataset_name:
+        raise ValueError("--dataset_config_name needs --dataset_name (the dataset it configures)")
     if args.model == "unet2d" and args.lsc != "none" and not args.pretrained_model_name_or_path:
         raise ValueError("--model unet2d is diffusers' vanilla UNet; use --model scalelong_unet2d with --lsc")
     if args.class_conditional and args.recipe == "ddpm":
@@ -372,6 +376,8 @@ def prepare_run(args: argparse.Namespace):
         class_conditional=args.class_conditional,
         allow_upscaling=args.allow_upscaling,
         max_train_samples=args.max_train_samples,
+        dataset_config_name=args.dataset_config_name,
+        cache_dir=args.cache_dir,
     )
     parts = PretrainedEDM2Parts()
     if args.pretrained_model_name_or_path and args.recipe == "edm2":

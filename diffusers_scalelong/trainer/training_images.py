@@ -27,6 +27,8 @@ def load_training_dataset(
     class_conditional: bool = False,
     allow_upscaling: bool = False,
     max_train_samples: int | None = None,
+    dataset_config_name: str | None = None,
+    cache_dir: str | None = None,
 ) -> datasets.Dataset:
     """Load and check the training images; every problem raises ``ValueError`` naming the option or file.
 
@@ -43,6 +45,8 @@ def load_training_dataset(
             split=split,
             image_column=image_column,
             label_column=label_column,
+            cache_dir=cache_dir,
+            config_name=dataset_config_name,
         )
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from error
