@@ -45,15 +45,20 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def data_sha256(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's raw bytes as stored (hashing releases the GIL: it can overlap other work)."""
+    return hashlib.sha256(_raw_bytes(tensor)).hexdigest()
+
+
 class TensorDigest:
     """Accumulates the content checksum of a set of named tensors, added in any order."""
 
     def __init__(self) -> None:
         self._lines: dict[str, str] = {}
 
-    def add(self, name: str, tensor: torch.Tensor, data_sha256: str | None = None) -> None:
-        """Add ``tensor`` under ``name`` (``data_sha256``: the SHA-256 of its raw bytes, if already computed)."""
-        data = data_sha256 or hashlib.sha256(_raw_bytes(tensor)).hexdigest()
+    def add(self, name: str, tensor: torch.Tensor, raw_sha256: str | None = None) -> None:
+        """Add ``tensor`` under ``name`` (``raw_sha256``: :func:`data_sha256` of it, if already computed)."""
+        data = raw_sha256 or data_sha256(tensor)
         dtype = str(tensor.dtype).removeprefix("torch.")
         self._lines[name] = f"{name} {dtype} {list(tensor.shape)} {data}\n"
 
@@ -69,7 +74,7 @@ def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     (``hashlib`` releases the GIL while hashing)."""
     names = list(tensors)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        hashes = pool.map(lambda name: hashlib.sha256(_raw_bytes(tensors[name])).hexdigest(), names)
+        hashes = pool.map(lambda name: data_sha256(tensors[name]), names)
         digest = TensorDigest()
         for name, data in zip(names, hashes, strict=True):
             digest.add(name, tensors[name], data)
@@ -169,6 +174,7 @@ __all__ = [
     "TensorDigest",
     "check_finite",
     "check_recorded_digest",
+    "data_sha256",
     "file_sha256",
     "load_verified",
     "save_safetensors",

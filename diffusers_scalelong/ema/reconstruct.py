@@ -19,6 +19,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,9 +35,11 @@ from ..integrity import (
     TensorDigest,
     check_finite,
     check_recorded_digest,
+    data_sha256,
     folder_manifest,
     verify_manifest,
 )
+from ..validation import check_number_sequence
 from .profiles import sigma_rel_to_gamma, solve_profile_coefficients
 from .snapshots import SnapshotInfo, list_snapshots, snapshot_filename, storage_dtype
 
@@ -142,7 +145,7 @@ def plan_reconstruction(
     the target are excluded. Raises ``ValueError`` for an empty set, mixed models, or a bad target.
     """
     snapshots = _as_snapshots(snapshots)
-    target_sigma_rels = tuple(float(s) for s in target_sigma_rels)
+    target_sigma_rels = check_number_sequence("target_sigma_rels", target_sigma_rels)
     if not target_sigma_rels:
         raise ValueError("give at least one target sigma_rel")
     target_gammas = tuple(sigma_rel_to_gamma(s) for s in target_sigma_rels)
@@ -167,29 +170,31 @@ def _accumulate(
     outputs: list[dict[str, torch.Tensor]] = [
         {k: torch.zeros(last.shapes[k], dtype=accumulate_dtype) for k in averaged_keys} for _ in plan.target_sigma_rels
     ]
-    for info, row in zip(
-        tqdm(plan.snapshots, desc="reconstructing EMA", unit="snapshot", disable=not progress),
-        plan.coefficients.tolist(),
-        strict=True,
-    ):
-        digest = TensorDigest()
-        try:
-            with safe_open(str(info.path), framework="pt") as f:
-                for key in averaged_keys:
-                    tensor = f.get_tensor(key)
-                    digest.add(key, tensor)
-                    if len(outputs) > 1:  # convert once; with one target the mixed-dtype add is faster
-                        tensor = tensor.to(accumulate_dtype)
-                    for output, weight in zip(outputs, row, strict=True):
-                        output[key].add_(tensor, alpha=weight)
-                copies = {k: f.get_tensor(k) for k in info.copied_keys}
-        except (OSError, RuntimeError, ValueError) as error:
-            raise ValueError(f"could not read snapshot file {info.path}: {error}") from None
-        for key, tensor in copies.items():
-            digest.add(key, tensor)
-        check_recorded_digest(info.content_sha256, digest.hexdigest(), f"snapshot file {info.path}")
-        if info is last:
-            buffers = copies
+    with ThreadPoolExecutor(max_workers=1) as hasher:  # hashes each tensor while it is added into the outputs
+        for info, row in zip(
+            tqdm(plan.snapshots, desc="reconstructing EMA", unit="snapshot", disable=not progress),
+            plan.coefficients.tolist(),
+            strict=True,
+        ):
+            digest = TensorDigest()
+            try:
+                with safe_open(str(info.path), framework="pt") as f:
+                    for key in averaged_keys:
+                        stored = f.get_tensor(key)
+                        hashed = hasher.submit(data_sha256, stored)
+                        # convert once for several targets; with one target the mixed-dtype add is faster
+                        tensor = stored.to(accumulate_dtype) if len(outputs) > 1 else stored
+                        for output, weight in zip(outputs, row, strict=True):
+                            output[key].add_(tensor, alpha=weight)
+                        digest.add(key, stored, hashed.result())
+                    copies = {k: f.get_tensor(k) for k in info.copied_keys}
+            except (OSError, RuntimeError, ValueError) as error:
+                raise ValueError(f"could not read snapshot file {info.path}: {error}") from None
+            for key, tensor in copies.items():
+                digest.add(key, tensor)
+            check_recorded_digest(info.content_sha256, digest.hexdigest(), f"snapshot file {info.path}")
+            if info is last:
+                buffers = copies
     results = []
     for output in outputs:
         state = {k: v.to(dtype) for k, v in output.items()}
