@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validation import check_number
 from .precond import EDMPreconditioner
 
 __all__ = ["EDM2Loss", "EDM2LossOutput"]
@@ -37,8 +38,8 @@ class EDM2Loss:
     """
 
     def __init__(self, P_mean: float = -0.4, P_std: float = 1.0, sigma_data: float | None = None):
-        if not P_std > 0:
-            raise ValueError(f"P_std must be positive, got {P_std}")
+        check_number("P_mean", P_mean)
+        check_number("P_std", P_std, 0.0, low_inclusive=False)
         if sigma_data is not None and not sigma_data > 0:
             raise ValueError(f"sigma_data must be positive, got {sigma_data}")
         self.P_mean = float(P_mean)

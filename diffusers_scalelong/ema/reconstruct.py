@@ -144,8 +144,8 @@ def plan_reconstruction(
     ``target_time`` must be one of the snapshot times (default: the newest). Snapshots at time 0 and newer than
     the target are excluded. Raises ``ValueError`` for an empty set, mixed models, or a bad target.
     """
-    snapshots = _as_snapshots(snapshots)
     target_sigma_rels = check_number_sequence("target_sigma_rels", target_sigma_rels)
+    snapshots = _as_snapshots(snapshots)
     if not target_sigma_rels:
         raise ValueError("give at least one target sigma_rel")
     target_gammas = tuple(sigma_rel_to_gamma(s) for s in target_sigma_rels)

@@ -17,6 +17,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from ..integrity import load_verified, save_safetensors
+from ..validation import check_number_sequence
 from .profiles import sigma_rel_to_gamma
 
 STATE_FORMAT = "diffusers_scalelong.PowerFunctionEMA"
@@ -104,6 +105,7 @@ class PowerFunctionEMA:
         time_unit: str = "steps",
         run_id: str | None = None,
     ) -> None:
+        sigma_rels = check_number_sequence("sigma_rels", sigma_rels)
         self.gammas = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)  # validates each sigma_rel
         sigma_rels = tuple(float(s) for s in sigma_rels)
         if not sigma_rels:

@@ -22,6 +22,7 @@ from ..layers.mp_casting import MPLayerwiseCastingMixin
 from ..scalelong.loading import LongSkipScalingLoaderMixin
 from ..scalelong.scaling import LongSkipScaling
 from ..scalelong.skips import LongSkip, LongSkipLayout
+from ..validation import check_number, check_optional_count
 
 __all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel"]
 
@@ -104,8 +105,9 @@ class EDM2UNet2DModel(
             ("res_balance", res_balance),
             ("attn_balance", attn_balance),
         ]:
-            if not 0 <= value <= 1:
-                raise ValueError(f"{name} must lie in [0, 1], got {value}")
+            check_number(name, value, 0.0, 1.0)
+        check_number("dropout", dropout, 0.0, 1.0, high_inclusive=False)
+        check_optional_count("num_class_embeds", num_class_embeds)
 
         out_channels = in_channels if out_channels is None else out_channels
         widths = [model_channels * m for m in channel_mult]

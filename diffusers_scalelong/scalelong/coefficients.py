@@ -6,6 +6,8 @@ to the innermost (i = N). Constant scaling (CS) multiplies skip i by ``kappa ** 
 
 from collections.abc import Sequence
 
+from ..validation import check_number
+
 LSC_METHODS = ("none", "inv_sqrt2", "cs", "cs_stage", "ls", "ls_nonshared")
 LEARNABLE_METHODS = ("ls", "ls_nonshared")
 
@@ -21,8 +23,7 @@ def validate_lsc_options(method: str, kappa: float, reduction: int = 16) -> None
     ``lsc_reduction`` when one is invalid."""
     if method not in LSC_METHODS:
         raise ValueError(f"lsc_method={method!r} is unknown; choose one of {', '.join(LSC_METHODS)}")
-    if not (isinstance(kappa, int | float) and kappa > 0):
-        raise ValueError(f"lsc_kappa must be a positive number, got {kappa!r}")
+    check_number("lsc_kappa", kappa, 0.0, low_inclusive=False)
     check_reduction(reduction)
 
 

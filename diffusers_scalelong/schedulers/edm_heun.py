@@ -26,6 +26,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..validation import check_number
 from .edm_preconditioning import edm_c_in, edm_c_noise, edm_c_out, edm_c_skip
 
 
@@ -115,10 +116,15 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
             raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
         if final_sigmas_type != "zero":
             raise ValueError(f"final_sigmas_type must be 'zero' for the EDM Heun sampler, got {final_sigmas_type!r}")
-        if not 0 < sigma_min < sigma_max:
-            raise ValueError(f"need 0 < sigma_min < sigma_max, got sigma_min={sigma_min}, sigma_max={sigma_max}")
-        if S_churn < 0 or S_noise < 0:
-            raise ValueError(f"S_churn and S_noise must be >= 0, got S_churn={S_churn}, S_noise={S_noise}")
+        check_number("sigma_min", sigma_min, 0.0, low_inclusive=False)
+        check_number("sigma_max", sigma_max, sigma_min, low_inclusive=False)
+        check_number("sigma_data", sigma_data, 0.0, low_inclusive=False)
+        check_number("rho", rho, 0.0, low_inclusive=False)
+        check_number("S_churn", S_churn, 0.0)
+        check_number("S_noise", S_noise, 0.0)
+        check_number("S_min", S_min, 0.0)
+        if S_max is not None and S_max != float("inf"):  # None or inf: churn at every noise level above S_min
+            check_number("S_max", S_max, S_min)
         self.num_inference_steps: int | None = None
         self._step_index: int | None = None
         self._begin_index: int | None = None
