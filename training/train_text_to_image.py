@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--random_flip", action="store_true", help="mirror half of the images left-right")
     data.add_argument("--allow_upscaling", action="store_true", help="accept images smaller than --resolution")
     data.add_argument("--max_train_samples", type=positive_int, default=None, help="use only the first N images")
-    data.add_argument("--validation_prompt", default=None, help="prompt of the PNG sample grids (--save_images_steps)")
+    data.add_argument(
+        "--validation_prompt",
+        default=None,
+        help="prompt of the PNG sample grids (--save_images_steps / --save_images_epochs)",
+    )
     data.add_argument("--lr_scheduler", default="constant", help="diffusers lr schedule (constant, cosine, ...)")
     add_ddpm_loss_args(parser.add_argument_group("loss"))
     add_training_args(parser, default_batch_size=1)
@@ -80,8 +84,8 @@ def validate_args(args: argparse.Namespace) -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.save_images_steps and not args.validation_prompt:
-        raise ValueError("--save_images_steps needs --validation_prompt")
+    if (args.save_images_steps or args.save_images_epochs) and not args.validation_prompt:
+        raise ValueError("--save_images_steps / --save_images_epochs need --validation_prompt")
 
 
 def load_components(path: str) -> dict:

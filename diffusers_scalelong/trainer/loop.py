@@ -123,6 +123,18 @@ def apply_compute_options(args: argparse.Namespace, unet: torch.nn.Module) -> No
             unet.enable_xformers_memory_efficient_attention()
 
 
+def grid_due(args: argparse.Namespace, step: int, steps_per_epoch: int, stop: bool) -> bool:
+    """A sample grid after this optimiser step: every ``--save_images_steps`` steps, at the end of every
+    ``--save_images_epochs``-th epoch, and at the end of the run when either is set."""
+    by_steps = args.save_images_steps is not None and step % args.save_images_steps == 0
+    epoch_end = step % steps_per_epoch == 0
+    by_epochs = (
+        args.save_images_epochs is not None and epoch_end and (step // steps_per_epoch) % args.save_images_epochs == 0
+    )
+    wanted = args.save_images_steps is not None or args.save_images_epochs is not None
+    return by_steps or by_epochs or (stop and wanted)
+
+
 def adamw_class(args: argparse.Namespace) -> type[torch.optim.Optimizer]:
     """``torch.optim.AdamW``, or bitsandbytes' ``AdamW8bit`` with ``--use_8bit_adam``."""
     if not args.use_8bit_adam:
@@ -299,7 +311,7 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
                     stop = True
             if accelerator.is_main_process:
                 ema.maybe_snapshot(global_step, final=stop)
-                if job.sample and args.save_images_steps and (global_step % args.save_images_steps == 0 or stop):
+                if job.sample and grid_due(args, global_step, steps_per_epoch, stop):
                     sample_grid(global_step)
             if global_step % args.checkpointing_steps == 0:
                 saved = Checkpoint.save(

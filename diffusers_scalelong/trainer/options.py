@@ -187,6 +187,12 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
         default=None,
         help="write a PNG sample grid every N steps (and at the end)",
     )
+    ckpt.add_argument(
+        "--save_images_epochs",
+        type=positive_int,
+        default=None,
+        help="write a PNG sample grid at the end of every N-th epoch (and at the end)",
+    )
     ckpt.add_argument("--num_grid_images", type=positive_int, default=16, help="images in each sample grid")
     ckpt.add_argument(
         "--num_inference_steps", type=positive_int, default=None, help="sampler steps for grids (default: the recipe's)"
