@@ -146,7 +146,9 @@ def difference_text(deltas: list[float], noise: dict, better: str, worse: str) -
         return "not run yet"
     mean = statistics.mean(deltas)
     spread = f" ± {statistics.stdev(deltas):.1f} (sd over seeds)" if len(deltas) > 1 else " (one seed)"
-    if significant(deltas, noise.get("mean_of_two", 0.0)):
+    if len(deltas) < 2:
+        verdict = f"one seed, not weighed against the seed spread (sample noise ±{noise.get('mean_of_two', 0.0):.2f})"
+    elif significant(deltas, noise.get("mean_of_two", 0.0)):
         verdict = better if mean < 0 else worse
     else:
         verdict = "within noise"
