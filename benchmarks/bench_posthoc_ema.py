@@ -9,10 +9,18 @@ A ~10M-parameter model (a stack of linear layers) follows a random-walk trajecto
   format (``<profile index>.<step>.pt`` files holding a ``KarrasEMA`` state dict);
 * ``read``: only reading the bytes of the snapshot files, the floor for any streaming method.
 
-Every measurement runs in a fresh subprocess (peak RSS: Linux VmHWM, reset right before the measured call and
+The sweep: 8 targets (sigma_rel 0.05 ... 0.12, including 0.075) from the ``--sweep_files`` snapshots, as one streaming pass of
+``reconstruct_ema`` (every file read once, 8 accumulators), as 8 single-target passes, and as 8
+``synthesize_ema_model`` calls of ema-pytorch.
+
+The tracking cost (``--update_cost``): ``PowerFunctionEMA.update`` with two profiles, timed interleaved with the
+training step it follows (forward + backward + Adam, 1 torch thread, process CPU time, median), for the demo's
+EDM2 network and a ~100M-parameter EDM2 network.
+
+Every reconstruction runs in a fresh subprocess (peak RSS: Linux VmHWM, reset right before the measured call and
 reported above the RSS at that moment); cases are interleaved. Writes ``benchmarks/results/posthoc_ema.md``.
 
-    python benchmarks/bench_posthoc_ema.py [--steps 256] [--cases 8 32 128] [--workdir DIR]
+    python benchmarks/bench_posthoc_ema.py [--steps 256] [--cases 8 32 128] [--sweep_files 32] [--update_cost]
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 TARGET = 0.075
+SWEEP = (0.05, 0.06, 0.07, 0.075, 0.08, 0.09, 0.10, 0.12)  # includes TARGET: its error is checked
 PROFILES = (0.05, 0.10)
 WIDTH, DEPTH = 1000, 10  # 10 x (1000 x 1000 + 1000) = 10.01M parameters
 
@@ -97,10 +107,12 @@ def generate(workdir: Path, steps: int, every: int) -> None:
     save_file(reference.averaged_state_dict(TARGET), str(workdir / "reference.safetensors"))
 
 
-def case_folders(workdir: Path, steps: int, num_files: int) -> tuple[Path, Path]:
+def case_folders(workdir: Path, steps: int, num_files: int, exist_ok: bool = False) -> tuple[Path, Path]:
     """Hard-linked folders with the `num_files` snapshots (num_files / 2 evenly spaced times, both profiles)."""
     stride = steps // (num_files // 2)
     ours, theirs = workdir / f"case{num_files}" / "ours", workdir / f"case{num_files}" / "ema_pytorch"
+    if exist_ok and ours.is_dir() and theirs.is_dir():
+        return ours, theirs
     ours.mkdir(parents=True)
     theirs.mkdir(parents=True)
     for path in (workdir / "ours").iterdir():
@@ -132,6 +144,26 @@ def worker(kind: str, folder: Path, reference_path: Path, steps: int) -> dict:
 
         (state,), seconds, peak = measure(lambda: reconstruct_ema(folder, [TARGET]))
         return {"seconds": seconds, "peak_mib": peak, "error": relative_error(state, reference)}
+    if kind == "ours_sweep":
+        from diffusers_scalelong.ema import reconstruct_ema
+
+        states, seconds, peak = measure(lambda: reconstruct_ema(folder, list(SWEEP)))
+        return {"seconds": seconds, "peak_mib": peak, "error": relative_error(states[SWEEP.index(TARGET)], reference)}
+    if kind == "ours_single":
+        from diffusers_scalelong.ema import reconstruct_ema
+
+        states, seconds, peak = measure(lambda: [reconstruct_ema(folder, [t])[0] for t in SWEEP])
+        return {"seconds": seconds, "peak_mib": peak, "error": relative_error(states[SWEEP.index(TARGET)], reference)}
+    if kind == "ema_pytorch_sweep":
+        from ema_pytorch import PostHocEMA
+
+        posthoc = PostHocEMA(
+            build_model(), sigma_rels=PROFILES, checkpoint_folder=str(folder), checkpoint_every_num_steps="manual"
+        )
+        states, seconds, peak = measure(
+            lambda: [posthoc.synthesize_ema_model(sigma_rel=t, step=steps).ema_model.state_dict() for t in SWEEP]
+        )
+        return {"seconds": seconds, "peak_mib": peak, "error": relative_error(states[SWEEP.index(TARGET)], reference)}
     if kind == "ema_pytorch":
         from ema_pytorch import PostHocEMA
 
@@ -152,8 +184,60 @@ def run_worker(kind: str, folder: Path, workdir: Path, steps: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+# ----------------------------------------------------------------------------------------------- update cost
+def update_cost_models() -> dict[str, tuple[nn.Module, int, int, int]]:
+    """name: (EDM2 network, batch, resolution, channels): the demo's network and a ~100M-parameter one."""
+    from diffusers_scalelong.models import EDM2UNet2DModel
+
+    torch.manual_seed(0)
+    demo = EDM2UNet2DModel(
+        sample_size=28, in_channels=1, model_channels=32, channel_mult=(1, 2, 2), layers_per_block=1,
+        attention_resolutions=(7,), channels_per_head=32, lsc_method="cs", lsc_kappa=0.7,
+    )  # fmt: skip
+    large = EDM2UNet2DModel(
+        sample_size=32, in_channels=4, model_channels=128, channel_mult=(1, 2, 3, 4), layers_per_block=2,
+        attention_resolutions=(16, 8),
+    )  # fmt: skip
+    return {"demo EDM2 (examples/demo.py)": (demo, 32, 28, 1), "EDM2, ~100M parameters": (large, 8, 32, 4)}
+
+
+def update_cost(rounds: int) -> list[dict]:
+    """Median process CPU time of a training step and of the ``PowerFunctionEMA.update`` after it, interleaved."""
+    from diffusers_scalelong.ema import PowerFunctionEMA
+
+    torch.set_num_threads(1)
+    rows = []
+    for name, (model, batch, resolution, channels) in update_cost_models().items():
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        ema = PowerFunctionEMA(model, sigma_rels=PROFILES)
+        images = torch.randn(batch, channels, resolution, resolution)
+        step_times, update_times = [], []
+        for step in range(1, rounds + 2):  # the first round warms up
+            start = time.process_time()
+            model(images, torch.randn(batch)).sample.square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_times.append(time.process_time() - start)
+            start = time.process_time()
+            ema.update(model, step)
+            update_times.append(time.process_time() - start)
+            print(name, step_times[-1], update_times[-1], flush=True)
+        train, update = statistics.median(step_times[1:]), statistics.median(update_times[1:])
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        rows.append({"name": name, "params_M": params, "batch": batch, "resolution": resolution, "train": train})
+        rows[-1].update(update=update, fraction=update / train)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- report
-def write_report(path: Path, rows: list[dict], args: argparse.Namespace, generate_seconds: float) -> None:
+def write_report(
+    path: Path,
+    rows: list[dict],
+    args: argparse.Namespace,
+    generate_seconds: float,
+    sweep: dict | None,
+    update_rows: list[dict],
+) -> None:
     from importlib.metadata import version
 
     lines = [
@@ -164,7 +248,8 @@ def write_report(path: Path, rows: list[dict], args: argparse.Namespace, generat
         "the machine was shared with other jobs, so times are indicative (ratios within one row are fairer)",
         f"- software: python {platform.python_version()}, torch {torch.__version__}, ema-pytorch {version('ema-pytorch')}, "
         f"safetensors {version('safetensors')}",
-        f"- command: `python benchmarks/bench_posthoc_ema.py --steps {args.steps} --cases {' '.join(map(str, args.cases))}`",
+        f"- command: `python benchmarks/bench_posthoc_ema.py --steps {args.steps} --cases {' '.join(map(str, args.cases))} "
+        f"--sweep_files {args.sweep_files}" + (f" --update_cost --rounds {args.rounds}`" if args.update_cost else "`"),
         f"- model: {DEPTH} x Linear({WIDTH}, {WIDTH}) = {DEPTH * (WIDTH * WIDTH + WIDTH) / 1e6:.2f}M parameters; random-walk "
         f"trajectory of {args.steps} steps (generation + writing: {generate_seconds:.0f} s); snapshots of sigma_rel 0.05 and "
         f"0.10 stored as float16 ({DEPTH * (WIDTH * WIDTH + WIDTH) * 2 / 2**20:.0f} MiB per file), half of the files per "
@@ -191,6 +276,42 @@ def write_report(path: Path, rows: list[dict], args: argparse.Namespace, generat
         "coefficients to sum 1; ours uses float64 least squares plus the rescaling.",
         "",
     ]
+    if sweep is not None:
+        one_pass = sweep["ours_sweep"]["seconds"]
+        lines += [
+            f"## Sweep: 8 targets ({', '.join(map(str, SWEEP))}) from {args.sweep_files} snapshot files",
+            "",
+            "| method | time (s) | peak (MiB) | rel. L2 error at 0.075 | time / ema-pytorch |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for kind, label in (
+            ("ours_sweep", "ours, one streaming pass (`reconstruct_ema(folder, targets)`)"),
+            ("ours_single", "ours, 8 single-target passes"),
+            ("ema_pytorch_sweep", "ema-pytorch, 8 `synthesize_ema_model` calls"),
+        ):
+            r = sweep[kind]
+            lines.append(
+                f"| {label} | {r['seconds']:.2f} | {r['peak_mib']:.0f} | {r['error']:.2e} | "
+                f"{r['seconds'] / sweep['ema_pytorch_sweep']['seconds']:.2f}x |"
+            )
+        lines += ["", f"One pass vs 8 passes of ours: {one_pass / sweep['ours_single']['seconds']:.2f}x the time.", ""]
+    if update_rows:
+        lines += [
+            "## Tracking cost: `PowerFunctionEMA.update` (2 profiles) per training step",
+            "",
+            f"1 torch thread, process CPU time, median of {args.rounds} interleaved steps after one warm-up; training "
+            "step = forward + backward + Adam step of an EDM2UNet2DModel; load average at the end: "
+            f"{os.getloadavg()}.",
+            "",
+            "| model | params (M) | batch x resolution | training step (s) | update (s) | update / step |",
+            "|---|---:|---|---:|---:|---:|",
+        ]
+        for r in update_rows:
+            lines.append(
+                f"| {r['name']} | {r['params_M']:.1f} | {r['batch']} x {r['resolution']}^2 | {r['train']:.3f} "
+                f"| {r['update']:.4f} | {r['fraction']:.2%} |"
+            )
+        lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     print("\n".join(lines))
@@ -202,7 +323,11 @@ def main() -> None:
     parser.add_argument("--cases", type=int, nargs="+", default=[8, 32, 128], help="numbers of snapshot files")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temporary folder, removed)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "posthoc_ema.md"))
-    parser.add_argument("--worker", choices=["read", "ours", "ema_pytorch"], help=argparse.SUPPRESS)
+    parser.add_argument("--sweep_files", type=int, default=32, help="snapshot files of the 8-target sweep (0: skip)")
+    parser.add_argument("--update_cost", action="store_true", help="also time PowerFunctionEMA.update per step")
+    parser.add_argument("--rounds", type=int, default=5, help="timed training steps of the update-cost part")
+    worker_kinds = ["read", "ours", "ema_pytorch", "ours_sweep", "ours_single", "ema_pytorch_sweep"]
+    parser.add_argument("--worker", choices=worker_kinds, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -212,7 +337,9 @@ def main() -> None:
         return
 
     every = args.steps // (max(args.cases) // 2)
-    if args.steps % (max(args.cases) // 2) or any(args.steps % (n // 2) for n in args.cases):
+    if args.sweep_files and args.sweep_files > max(args.cases):
+        parser.error("--sweep_files must not exceed the largest of --cases")
+    if args.steps % (max(args.cases) // 2) or any(args.steps % (n // 2) for n in [*args.cases, args.sweep_files] if n):
         parser.error("--steps must be divisible by every case's number of snapshot times (case / 2)")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-posthoc-ema-"))
     try:
@@ -227,7 +354,15 @@ def main() -> None:
                 row[kind] = run_worker(kind, folder, workdir, args.steps)
                 print(n, kind, row[kind], flush=True)
             rows.append(row)
-        write_report(Path(args.output), rows, args, generate_seconds)
+        sweep = None
+        if args.sweep_files:
+            ours, theirs = case_folders(workdir, args.steps, args.sweep_files, exist_ok=True)
+            sweep = {}
+            for kind, folder in (("ours_sweep", ours), ("ours_single", ours), ("ema_pytorch_sweep", theirs)):
+                sweep[kind] = run_worker(kind, folder, workdir, args.steps)
+                print("sweep", kind, sweep[kind], flush=True)
+        update_rows = update_cost(args.rounds) if args.update_cost else []
+        write_report(Path(args.output), rows, args, generate_seconds, sweep, update_rows)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
