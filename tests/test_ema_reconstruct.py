@@ -316,3 +316,23 @@ def test_cli_dry_run_and_errors(trained, tmp_path, capsys):
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("where", ["output_dir", "plot"])
+def test_cli_unwritable_output_is_a_one_line_error(trained, tmp_path, where):
+    """An OSError (here: a path under a regular file) ends in one error line and status 2, no traceback.
+    A --plot into a missing folder is not an error: the folder is created."""
+    _, root = trained
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    outputs = {
+        "output_dir": ["--output_dir", blocker / "sub"],
+        "plot": ["--output_dir", tmp_path / "out", "--plot", blocker / "plot.png"],
+    }[where]
+    result = _cli(root / "pair", "--sigma_rel", 0.075, *outputs)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()[-1:]
+    assert line.startswith("scalelong-reconstruct-ema: error:")
+    assert str(blocker) in line
+    assert not (tmp_path / "out").exists()

@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from safetensors import SafetensorError
+
 from .plot import plot_reconstruction
 from .reconstruct import plan_reconstruction, save_planned_models
 from .snapshots import list_snapshots, storage_dtype
@@ -80,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=True,
             overwrite=args.overwrite,
         )
-    except ValueError as error:
+    except (ValueError, OSError, SafetensorError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     for folder in folders:
         print(f"wrote {folder}")
