@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "training_state.json"
 # Config keys that describe where or with what a model was saved, not its architecture.
-_NON_ARCHITECTURE_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"}
+_NON_ARCHITECTURE_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values", "auto_map"}
 
 
 def checkpoint_step(path: str | os.PathLike) -> int:
