@@ -37,7 +37,7 @@ def scalelong_verdict(stats: dict, noise: dict, rows: list[dict]) -> str:
         for m, s in stats.items()
         if s["deltas"] and significant(s["deltas"], level) and statistics.mean(s["deltas"]) > 0
     ]
-    seeds = max(len(s["fd"]) for s in stats.values())
+    seeds = min((len(s["deltas"]) for m, s in stats.items() if m != "none"), default=0)
     bad = {m: sum(r["loss_diverged"] or stalled(r) for r in rows if r["config"]["method"] == m) for m in stats}
     text = f"Verdict ({seeds} seed(s)): "
     deltas = ", ".join(
@@ -226,7 +226,7 @@ def render(context: dict, sections: dict[str, list[str]]) -> str:
         "stable": scalelong_verdict(context["stable"], noise["scalelong"], regime_rows("stable")),
         "conv": scalelong_verdict(context["conv"], noise["scalelong"], regime_rows("conv")),
         "magnitudes": magnitude_verdict(store),
-        "posthoc": posthoc_verdict(context["posthoc"], noise["edm2"]),
+        "posthoc": posthoc_verdict(context["posthoc"], noise["edm2_only"]),
         "uncertainty": uncertainty_verdict(context["recipe"], noise["edm2"]),
         "recipe": recipe_verdict(context["recipe"], noise["edm2"]),
     }
