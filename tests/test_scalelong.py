@@ -269,7 +269,7 @@ def test_compile_fullgraph_inductor(method):
 
 @pytest.mark.parametrize("pipeline_cls, scheduler_cls", [(DDPMPipeline, DDPMScheduler), (DDIMPipeline, DDIMScheduler)])
 def test_runs_in_unconditional_pipelines(tmp_path, pipeline_cls, scheduler_cls):
-    model = ScaleLongUNet2DModel(**UNET_CONFIG, lsc_method="cs", lsc_kappa=0.7)
+    model = ScaleLongUNet2DModel(**UNET_CONFIG, lsc_method="cs", lsc_kappa=0.7).eval()  # as from_pretrained returns it
     pipeline = pipeline_cls(unet=model, scheduler=scheduler_cls(num_train_timesteps=50))
     kwargs = dict(batch_size=2, num_inference_steps=2, output_type="np")
     images = pipeline(generator=torch.Generator().manual_seed(0), **kwargs).images
