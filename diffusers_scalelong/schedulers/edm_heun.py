@@ -117,7 +117,9 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
         if final_sigmas_type != "zero":
             raise ValueError(f"final_sigmas_type must be 'zero' for the EDM Heun sampler, got {final_sigmas_type!r}")
         check_number("sigma_min", sigma_min, 0.0, low_inclusive=False)
-        check_number("sigma_max", sigma_max, sigma_min, low_inclusive=False)
+        check_number("sigma_max", sigma_max)
+        if sigma_min >= sigma_max:
+            raise ValueError(f"need sigma_min < sigma_max, got sigma_min={sigma_min}, sigma_max={sigma_max}")
         check_number("sigma_data", sigma_data, 0.0, low_inclusive=False)
         check_number("rho", rho, 0.0, low_inclusive=False)
         check_number("S_churn", S_churn, 0.0)
