@@ -51,6 +51,7 @@ def test_equals_plain_autograd_float64(shape, dims, scale):
     plain.backward(grad)
     # float64: the two orders of operations differ by a few ulps.
     torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-14)
+    # float64, the fused backward uses the saved output instead of recomputing: differs by float64 rounding
     torch.testing.assert_close(fused_x.grad, plain_x.grad, rtol=1e-10, atol=1e-12)
 
 
@@ -107,7 +108,9 @@ def test_mp_conv_fused_weight_path_equals_the_plain_one(kernel, training):
     assert torch.equal(fused.weight, plain.weight)  # the stored projection: bit for bit
     # float32: the fused path takes the projected rows' norm as sqrt(fan_in) exactly, the plain one recomputes it.
     torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-6)
+    # float32, one norm instead of two and a different product order: a few float32 ulps over the row sums
     torch.testing.assert_close(fused.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-6)
+    # float32 reduction of the same terms in another order: a few ulps of a sum over the whole output
     torch.testing.assert_close(grad_gain_fused, grad_gain_plain, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(fused.weight.grad).all()
 
