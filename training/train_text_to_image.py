@@ -28,9 +28,11 @@ from diffusers_scalelong.data import ImageTransform
 from diffusers_scalelong.trainer import (
     CaptionedImages,
     DDPMRecipe,
+    SampleGrid,
     TrainingJob,
     add_ddpm_loss_args,
     add_lsc_args,
+    add_pretrained_source_args,
     add_training_args,
     ensure_writable_dir,
     images_from_numpy,
@@ -40,6 +42,7 @@ from diffusers_scalelong.trainer import (
     run_script_main,
     run_training,
     validate_training_args,
+    weight_dtype,
 )
 from diffusers_scalelong.trainer.run_identity import start_run
 
@@ -54,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--pretrained_model_name_or_path", required=True, help="Stable-Diffusion-style pipeline folder or Hub repo"
     )
+    add_pretrained_source_args(model)
     add_lsc_args(parser)
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_name", default=None, help="a `datasets` name or local path with images and captions")
@@ -67,9 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--allow_upscaling", action="store_true", help="accept images smaller than --resolution")
     data.add_argument("--max_train_samples", type=positive_int, default=None, help="use only the first N images")
     data.add_argument(
+        "--validation_prompts",
         "--validation_prompt",
+        dest="validation_prompts",
+        nargs="+",
         default=None,
-        help="prompt of the PNG sample grids (--save_images_steps / --save_images_epochs)",
+        help="prompts of the sample grids (--save_images_steps / --save_images_epochs): one row of --eval_batch_size "
+        "images per prompt, all rows from the same noise; logged to --report_to as 'validation'",
     )
     data.add_argument("--lr_scheduler", default="constant", help="diffusers lr schedule (constant, cosine, ...)")
     add_ddpm_loss_args(parser.add_argument_group("loss"))
@@ -84,12 +92,25 @@ def validate_args(args: argparse.Namespace) -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if (args.save_images_steps or args.save_images_epochs) and not args.validation_prompt:
-        raise ValueError("--save_images_steps / --save_images_epochs need --validation_prompt")
+    if (args.save_images_steps or args.save_images_epochs) and not args.validation_prompts:
+        raise ValueError("--save_images_steps / --save_images_epochs need --validation_prompts")
 
 
-def load_components(path: str) -> dict:
-    """The frozen components and the training noise scheduler of the pipeline at ``path``."""
+def load_components(path: str, revision: str | None = None, variant: str | None = None) -> dict:
+    """The frozen components and the training noise scheduler of the pipeline at ``path`` (Hub ``revision``,
+    weight files of ``variant``); a missing file or revision raises ``ValueError`` naming the options."""
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    try:
+        return _load_components(path, revision, variant)
+    except (OSError, RevisionNotFoundError) as error:
+        raise ValueError(
+            f"--pretrained_model_name_or_path {path!r} (--revision {revision}, --variant {variant}) could not be "
+            f"loaded: {error}"
+        ) from error
+
+
+def _load_components(path: str, revision: str | None, variant: str | None) -> dict:
     from transformers import CLIPTextModel, CLIPTokenizer
 
     index_path = Path(path) / "model_index.json"
@@ -97,7 +118,7 @@ def load_components(path: str) -> dict:
     if index is None and not Path(path).exists() and path.count("/") == 1:
         from huggingface_hub import hf_hub_download
 
-        index = json.loads(Path(hf_hub_download(path, "model_index.json")).read_text())
+        index = json.loads(Path(hf_hub_download(path, "model_index.json", revision=revision)).read_text())
     if index is None:
         raise ValueError(f"--pretrained_model_name_or_path {path!r} has no model_index.json (not a pipeline)")
     missing = [name for name in REQUIRED_COMPONENTS if not (isinstance(index.get(name), list) and index[name][0])]
@@ -106,11 +127,12 @@ def load_components(path: str) -> dict:
     scheduler_cls = getattr(diffusers, index["scheduler"][1], None)
     if scheduler_cls is None:
         raise ValueError(f"unknown scheduler class {index['scheduler'][1]!r} in {path}")
-    scheduler = scheduler_cls.from_pretrained(path, subfolder="scheduler")
+    scheduler = scheduler_cls.from_pretrained(path, subfolder="scheduler", revision=revision)
+    weights = dict(revision=revision, variant=variant)
     return dict(
-        tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-        text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder"),
-        vae=AutoencoderKL.from_pretrained(path, subfolder="vae"),
+        tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", revision=revision),
+        text_encoder=CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **weights),
+        vae=AutoencoderKL.from_pretrained(path, subfolder="vae", **weights),
         scheduler=scheduler,
         noise_scheduler=diffusers.DDPMScheduler.from_config(scheduler.config),
     )
@@ -130,9 +152,11 @@ def train(args: argparse.Namespace) -> Path:
         allow_upscaling=args.allow_upscaling,
         max_train_samples=args.max_train_samples,
     )
-    components = load_components(args.pretrained_model_name_or_path)
+    components = load_components(args.pretrained_model_name_or_path, args.revision, args.variant)
     set_seed(args.seed)
-    unet = load_pretrained_unet(args.pretrained_model_name_or_path, args.lsc, args.kappa)
+    unet = load_pretrained_unet(
+        args.pretrained_model_name_or_path, args.lsc, args.kappa, revision=args.revision, variant=args.variant
+    ).to(torch.float32)  # the trained model stays float32 (e.g. from --variant fp16 weights)
     if run.resume_from is not None:
         run.resume_from.check_matches("unet", unet)
     tokenizer, text_encoder, vae = components["tokenizer"], components["text_encoder"], components["vae"]
@@ -142,7 +166,8 @@ def train(args: argparse.Namespace) -> Path:
         with torch.no_grad():
             latents = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist.sample() * vae.config.scaling_factor
             text = text_encoder(batch["input_ids"])[0]
-        return recipe.loss(module, latents, encoder_hidden_states=text)
+        # the frozen modules compute in the mixed-precision dtype; the trained UNet gets float32 inputs
+        return recipe.loss(module, latents.float(), encoder_hidden_states=text.float())
 
     def make_pipeline(trained_unet):
         return StableDiffusionPipeline(
@@ -157,13 +182,26 @@ def train(args: argparse.Namespace) -> Path:
         )
 
     @torch.no_grad()
-    def sample(trained_unet, num_images, seed, num_inference_steps):
+    def sample(trained_unet, num_images, seed, num_inference_steps) -> SampleGrid:
+        """One row of ``num_images`` per validation prompt, each from the same noise, under autocast to the
+        frozen modules' dtype (as diffusers' validation)."""
         pipeline = make_pipeline(trained_unet)
         pipeline.set_progress_bar_config(disable=True)
-        generator = torch.Generator().manual_seed(seed)
-        prompts = [args.validation_prompt] * num_images
-        output = pipeline(prompts, num_inference_steps=num_inference_steps, generator=generator, output_type="np")
-        return images_from_numpy(output.images)
+        device_type = trained_unet.device.type
+        dtype = weight_dtype(args.mixed_precision)
+        rows = []
+        for prompt in args.validation_prompts:
+            generator = torch.Generator().manual_seed(seed)
+            with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+                output = pipeline(
+                    [prompt] * num_images,
+                    num_inference_steps=num_inference_steps,
+                    generator=generator,
+                    output_type="np",
+                )
+            rows.append(images_from_numpy(output.images))
+        captions = [f"{i}: {prompt}" for i, prompt in enumerate(args.validation_prompts)]
+        return SampleGrid.from_rows(rows, captions, tag="validation")
 
     transform = ImageTransform(args.resolution, center_crop=args.center_crop, random_flip=args.random_flip, channels=3)
     job = TrainingJob(
@@ -175,7 +213,7 @@ def train(args: argparse.Namespace) -> Path:
             args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=max_steps
         ),
         make_pipeline=make_pipeline,
-        sample=sample if args.validation_prompt else None,
+        sample=sample if args.validation_prompts else None,
         frozen=[vae, text_encoder],
         tracker_name="train_text_to_image",
         description=f"text-to-image fine-tuning, lsc {args.lsc}",

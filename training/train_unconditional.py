@@ -37,16 +37,20 @@ from diffusers_scalelong.trainer import (
     EDM2Recipe,
     LatentCodec,
     PretrainedEDM2Parts,
+    SampleGrid,
     TrainingImages,
     TrainingJob,
     add_ddpm_loss_args,
     add_lsc_args,
+    add_pretrained_source_args,
     add_training_args,
     build_edm2,
+    build_from_config,
     build_unet2d,
     build_uvit,
     cache_latent_moments,
     ensure_writable_dir,
+    images_from_numpy,
     infer_channels,
     load_pretrained_edm2_parts,
     load_pretrained_unet,
@@ -112,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fine-tune the UNet of this local folder or Hub repo (pipeline or model)",
     )
+    model.add_argument(
+        "--model_config_name_or_path",
+        default=None,
+        help="build the network from this model config (a JSON file, a model or pipeline folder, or a Hub repo) "
+        "instead of the architecture options; its _class_name picks the class (diffusers' UNet2DModel, the "
+        "ScaleLong UNet, the EDM2 UNet, the U-ViT); --lsc / --kappa still apply",
+    )
+    add_pretrained_source_args(model)
     model.add_argument(
         "--block_out_channels", type=positive_int, nargs="+", default=[32, 64, 64], help="unet2d: width of each level"
     )
@@ -262,6 +274,7 @@ def validate_args(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if args.dataset_name and args.train_data_dir:
         raise ValueError("pass either --dataset_name or --train_data_dir, not both")
+    check_model_source(args)
     if args.dataset_config_name and not args.dataset_name:
         raise ValueError("--dataset_config_name needs --dataset_name (the dataset it configures)")
     if args.model == "unet2d" and args.lsc != "none" and not args.pretrained_model_name_or_path:
@@ -280,11 +293,46 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--max_grad_norm must be >= 0 (0 disables clipping)")
 
 
+ARCHITECTURE_OPTIONS = (
+    "model", "block_out_channels", "layers_per_block", "attention_levels", "norm_num_groups", "dropout",
+    "edm2_preset", "model_channels", "channel_mult", "attention_resolutions", "channels_per_head",
+    "uvit_depth", "uvit_num_heads", "uvit_embed_dim", "uvit_patch_size",
+)  # fmt: skip
+
+
+def check_model_source(args: argparse.Namespace) -> None:
+    """One source of the network: a pretrained model, a model config, or the architecture options."""
+    if args.model_config_name_or_path is None:
+        if (args.revision or args.variant) and not args.pretrained_model_name_or_path:
+            raise ValueError("--revision / --variant need --pretrained_model_name_or_path (the model they select)")
+        return
+    if args.pretrained_model_name_or_path:
+        raise ValueError(
+            "pass either --model_config_name_or_path (a new network from a config) or --pretrained_model_name_or_path "
+            "(a pretrained network), not both"
+        )
+    defaults = build_parser()
+    given = [f"--{name}" for name in ARCHITECTURE_OPTIONS if getattr(args, name) != defaults.get_default(name)]
+    if given:
+        raise ValueError(
+            f"--model_config_name_or_path sets the architecture; drop {', '.join(given)} (or the config option)"
+        )
+    if args.revision or args.variant:
+        raise ValueError("--revision / --variant need --pretrained_model_name_or_path (the model they select)")
+
+
 def build_model(args: argparse.Namespace, channels: int, classes: int | None, resolution: int) -> torch.nn.Module:
     """The UNet to train (from scratch or pretrained) at ``resolution`` (pixels, or latents of a VAE), before any
     wrapping by the recipe."""
     if args.pretrained_model_name_or_path:
-        return load_pretrained_unet(args.pretrained_model_name_or_path, args.lsc, args.kappa)
+        return load_pretrained(
+            lambda: load_pretrained_unet(
+                args.pretrained_model_name_or_path, args.lsc, args.kappa, revision=args.revision, variant=args.variant
+            ),
+            args,
+        )
+    if args.model_config_name_or_path:
+        return build_from_config(args.model_config_name_or_path, resolution, channels, classes, args.lsc, args.kappa)
     if args.model in ("unet2d", "scalelong_unet2d"):
         return build_unet2d(
             scalelong=args.model == "scalelong_unet2d",
@@ -326,6 +374,49 @@ def build_model(args: argparse.Namespace, channels: int, classes: int | None, re
         lsc_method=args.lsc,
         lsc_kappa=args.kappa,
     )
+
+
+def load_pretrained(load, args: argparse.Namespace):
+    """``load()``, with a missing weight file (e.g. of ``--variant``) or Hub revision reported naming the options."""
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    try:
+        return load()
+    except (OSError, RevisionNotFoundError) as error:
+        raise ValueError(
+            f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path!r} (--revision {args.revision}, "
+            f"--variant {args.variant}) could not be loaded: {error}"
+        ) from error
+
+
+def grid_sampler(recipe, classes: list[str] | None):
+    """The sample-grid function: one batch from the recipe's sampler, or for a class-conditional run one row per
+    class, every row from the same noise (``seed``)."""
+    if classes is None:
+        return lambda *sample_args: SampleGrid(recipe.sample(*sample_args))
+
+    @torch.no_grad()
+    def sample(unet, num_images: int, seed: int, num_inference_steps: int) -> SampleGrid:
+        pipeline = recipe.pipeline(unet)
+        pipeline.set_progress_bar_config(disable=True)
+        rows = []
+        for label in range(len(classes)):
+            output = pipeline(
+                class_labels=[label] * num_images,
+                generator=torch.Generator(device="cpu").manual_seed(seed),
+                num_inference_steps=num_inference_steps,
+                output_type="np",
+            )
+            rows.append(images_from_numpy(output.images))
+        return SampleGrid.from_rows(rows, classes, tag="test_samples")
+
+    return sample
+
+
+def class_names(dataset, count: int) -> list[str]:
+    """The dataset's class names (``ClassLabel``), else ``class <i>``."""
+    names = getattr(dataset.features["label"], "names", None)
+    return list(names) if names and len(names) == count else [f"class {i}" for i in range(count)]
 
 
 def build_recipe(args: argparse.Namespace, parts: PretrainedEDM2Parts, codec: LatentCodec | None):
@@ -381,7 +472,12 @@ def prepare_run(args: argparse.Namespace):
     )
     parts = PretrainedEDM2Parts()
     if args.pretrained_model_name_or_path and args.recipe == "edm2":
-        parts = load_pretrained_edm2_parts(args.pretrained_model_name_or_path)
+        parts = load_pretrained(
+            lambda: load_pretrained_edm2_parts(
+                args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant
+            ),
+            args,
+        )
     codec = latent_codec(args, parts)
     channels = codec.vae.config.latent_channels if codec else infer_channels(dataset)
     classes = num_classes(dataset) if args.class_conditional else None
@@ -438,7 +534,7 @@ def train(args: argparse.Namespace) -> Path:
         loss=lambda module, batch: recipe.loss(module, model_input(batch), batch.get("class_labels")),
         make_lr_scheduler=lambda optimizer, max_steps: build_lr_scheduler(args, optimizer, max_steps),
         make_pipeline=recipe.pipeline,
-        sample=None if args.class_conditional else recipe.sample,
+        sample=grid_sampler(recipe, class_names(dataset, num_classes(dataset)) if args.class_conditional else None),
         frozen=[codec.vae] if codec else [],
         zero_nonfinite_grads=args.recipe == "edm2",
         tracker_name="train_unconditional",

@@ -21,15 +21,18 @@ SCALELONG_SUBCLASS = {
 }
 
 
-def load_model_config(path: str | os.PathLike, subfolder: str | None = None) -> tuple[dict, str | None]:
-    """The ``config.json`` of a pretrained UNet in a local folder or Hub repo, and the subfolder holding it.
+def load_model_config(
+    path: str | os.PathLike, subfolder: str | None = None, revision: str | None = None
+) -> tuple[dict, str | None]:
+    """The ``config.json`` of a pretrained UNet in a local folder or Hub repo (at ``revision``), and the subfolder
+    holding it.
 
     A pipeline folder (``model_index.json``) is searched for its ``unet`` component.
     """
-    if subfolder is None and _has_file(path, "model_index.json"):
+    if subfolder is None and _fetch_file(path, "model_index.json", revision) is not None:
         subfolder = "unet"
     config_name = "config.json" if subfolder is None else f"{subfolder}/config.json"
-    config_path = _fetch_file(path, config_name)
+    config_path = _fetch_file(path, config_name, revision)
     if config_path is None:
         raise ValueError(
             f"--pretrained_model_name_or_path {str(path)!r} holds neither model_index.json nor a UNet config.json"
@@ -37,21 +40,19 @@ def load_model_config(path: str | os.PathLike, subfolder: str | None = None) -> 
     return json.loads(Path(config_path).read_text()), subfolder
 
 
-def _has_file(path: str | os.PathLike, name: str) -> bool:
-    return _fetch_file(path, name) is not None
-
-
-def _fetch_file(path: str | os.PathLike, name: str) -> str | None:
+def _fetch_file(path: str | os.PathLike, name: str, revision: str | None = None) -> str | None:
     local = Path(path)
     if local.is_dir():
         return str(local / name) if (local / name).is_file() else None
     if local.exists() or str(path).count("/") != 1:
         return None
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        return hf_hub_download(str(path), name)
+        return hf_hub_download(str(path), name, revision=revision)
+    except RevisionNotFoundError:
+        raise ValueError(f"{path!s}: revision {revision!r} not found (--revision)") from None
     except (EntryNotFoundError, RepositoryNotFoundError):
         return None
 
@@ -67,7 +68,12 @@ def model_class_by_name(name: str) -> type[ModelMixin]:
 
 
 def load_pretrained_unet(
-    path: str | os.PathLike, lsc_method: str, lsc_kappa: float, subfolder: str | None = None
+    path: str | os.PathLike,
+    lsc_method: str,
+    lsc_kappa: float,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    variant: str | None = None,
 ) -> ModelMixin:
     """Load a pretrained UNet for fine-tuning, with ScaleLong long-skip scaling ``lsc_method`` added.
 
@@ -75,10 +81,13 @@ def load_pretrained_unet(
     stored in the saved config; models that carry ``lsc_method`` in their own config (EDM2, U-ViT) get it replaced;
     any other model accepts only ``lsc_method="none"`` (a scaling it cannot record would be lost when saved). The
     options are checked by the model's own scaling module (:func:`~.coefficients.validate_lsc_options`).
+    ``revision`` (Hub branch, tag or commit) and ``variant`` (e.g. ``fp16``) go to ``from_pretrained``.
     """
-    config, subfolder = load_model_config(path, subfolder)
+    config, subfolder = load_model_config(path, subfolder, revision)
     class_name = config.get("_class_name", "")
-    kwargs = dict(subfolder=subfolder) if subfolder else {}
+    kwargs = dict(revision=revision, variant=variant)
+    if subfolder:
+        kwargs["subfolder"] = subfolder
     if class_name in SCALELONG_SUBCLASS:
         cls = model_class_by_name(SCALELONG_SUBCLASS[class_name])
         return cls.from_pretrained(path, lsc_method=lsc_method, lsc_kappa=float(lsc_kappa), **kwargs)

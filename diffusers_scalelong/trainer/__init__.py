@@ -7,7 +7,8 @@
 - ``training_ema``: the EMAs of a run (post-hoc EMA snapshots, diffusers' classic EMA);
 - ``rng``: random streams that survive a resume exactly;
 - ``checkpoint``: :class:`Checkpoint`, the resumable ``checkpoint-<step>`` folder and its layout;
-- ``image_grid``: PNG sample grids; ``output``: the output folder, the final pipeline, the Hub upload;
+- ``frozen``: the frozen modules (VAE, text encoder) in the mixed-precision dtype;
+- ``image_grid``: PNG sample grids and their tracker logging; ``output``: the output folder, the final pipeline, the Hub upload;
 - ``loop``: the Accelerate training loop (:func:`run_training`);
 - ``latents``: latent training data (EDM2's latent normalisation, the cached VAE moments);
 - ``pretrained_edm2``: the uncertainty head, ``sigma_data`` and VAE a pretrained EDM2 pipeline brings to fine-tuning.
@@ -15,13 +16,15 @@
 
 from ..scalelong.upgrade import load_model_config, load_pretrained_unet
 from .checkpoint import Checkpoint, checkpoint_step
-from .image_grid import make_image_grid, save_image_atomic, save_image_grid
+from .frozen import FrozenModules, weight_dtype
+from .image_grid import SampleGrid, make_image_grid, save_image_atomic, save_image_grid
 from .latents import VAE_PIXEL_RANGES, CachedLatents, LatentCodec, cache_latent_moments
 from .loop import TrainingDiverged, TrainingJob, run_script_main, run_training
-from .model_builders import MODEL_TYPES, build_edm2, build_unet2d, build_uvit
+from .model_builders import MODEL_TYPES, build_edm2, build_from_config, build_unet2d, build_uvit
 from .options import (
     add_ddpm_loss_args,
     add_lsc_args,
+    add_pretrained_source_args,
     add_training_args,
     positive_float,
     positive_int,
@@ -48,8 +51,10 @@ __all__ = [
     "Checkpoint",
     "MODEL_TYPES",
     "RECIPES",
+    "SampleGrid",
     "DDPMRecipe",
     "EDM2Recipe",
+    "FrozenModules",
     "LatentCodec",
     "PretrainedEDM2Parts",
     "TrainingDiverged",
@@ -59,8 +64,10 @@ __all__ = [
     "TrainingRNG",
     "add_ddpm_loss_args",
     "add_lsc_args",
+    "add_pretrained_source_args",
     "add_training_args",
     "build_edm2",
+    "build_from_config",
     "build_unet2d",
     "build_uvit",
     "cache_latent_moments",
@@ -87,4 +94,5 @@ __all__ = [
     "save_image_grid",
     "save_pipeline_atomic",
     "validate_training_args",
+    "weight_dtype",
 ]

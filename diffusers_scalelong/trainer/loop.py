@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..integrity import check_finite
 from .checkpoint import Checkpoint
-from .image_grid import save_image_grid
+from .frozen import FrozenModules, weight_dtype
 from .output import push_run_to_hub, save_pipeline_atomic
 from .rng import TrainingRNG
 from .run_identity import SNAPSHOT_FOLDER, RunStart
@@ -43,8 +43,10 @@ class TrainingJob:
         loss: ``loss(prepared_module, batch) -> scalar``; runs inside the private training random stream.
         make_lr_scheduler: ``(optimizer, max_steps) -> LRScheduler``.
         make_pipeline: ``unet -> DiffusionPipeline`` saved at the end.
-        sample: ``(unet, num_images, seed, num_inference_steps) -> images in [-1, 1]`` for PNG grids, or None.
-        frozen: modules the loss uses but does not train (VAE, text encoder): moved to the device.
+        sample: ``(unet, num_images, seed, num_inference_steps) -> SampleGrid`` for PNG grids (``num_images``
+            per sampler batch: ``--eval_batch_size``), or None.
+        frozen: modules the loss uses but does not train (VAE, text encoder): moved to the device in the
+            mixed-precision dtype (``FrozenModules``); the final pipeline gets them back as loaded.
         zero_nonfinite_grads: set NaN/Inf gradient entries to 0 before the optimiser step (EDM2).
         tracker_name: TensorBoard run name.
         description: printed at the start.
@@ -156,8 +158,7 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     accelerator.wait_for_everyone()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     step_rng = TrainingRNG(args.seed + accelerator.process_index, accelerator.device)  # noise differs per process
-    for frozen in job.frozen:
-        frozen.to(accelerator.device).eval().requires_grad_(False)
+    frozen = FrozenModules(job.frozen, accelerator.device, weight_dtype(args.mixed_precision))
 
     loader = torch.utils.data.DataLoader(
         job.dataset,
@@ -241,15 +242,17 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     accelerator.print(
         f"{type(unet).__name__}: {count_parameters(unet) / 1e6:.2f}M parameters; {len(job.dataset)} images; "
         f"{job.description}; {max_steps} steps of {global_batch} images"
+        + (f"; frozen: {frozen.describe()}" if job.frozen else "")
     )
 
     diagnostics = make_diagnostics(unet, args.diagnostics_every) if accelerator.is_main_process else None
 
     def sample_grid(step: int) -> None:
         export = ema.export_unet(unet).eval()
-        images = job.sample(export, args.num_grid_images, args.seed, args.num_inference_steps)
+        grid = job.sample(export, args.num_grid_images, args.seed, args.num_inference_steps)
         unet.train()
-        save_image_grid(images, output_dir / "samples" / f"step-{step:07d}.png")
+        grid.save(output_dir / "samples" / f"step-{step:07d}.png")
+        grid.log(accelerator.trackers, step)
 
     progress = tqdm(total=max_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps")
     start = time.monotonic()
@@ -331,6 +334,7 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     accelerator.wait_for_everyone()
     if diagnostics is not None and diagnostics.history:
         diagnostics.plot(output_dir / "stability.png")
+    frozen.restore()  # the final pipeline holds the frozen modules as loaded, not their mixed-precision copies
     if accelerator.is_main_process:
         export = ema.export_unet(unet)
         check_finite(export.state_dict(), f"the final model for {output_dir}")

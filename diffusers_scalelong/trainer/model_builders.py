@@ -1,12 +1,18 @@
-"""Build the network a training run optimises from scratch: one of ``MODEL_TYPES``.
+"""Build the network a training run optimises from scratch: one of ``MODEL_TYPES``, or from a model config file.
 
 (A pretrained UNet with ScaleLong added comes from :func:`diffusers_scalelong.scalelong.load_pretrained_unet`.)
 """
+
+import inspect
+import json
+import os
+from pathlib import Path
 
 import diffusers
 from diffusers.models.modeling_utils import ModelMixin
 
 from .. import models as plugin_models
+from ..scalelong.upgrade import SCALELONG_SUBCLASS, load_model_config, model_class_by_name
 
 MODEL_TYPES = ("unet2d", "scalelong_unet2d", "uvit", "edm2")
 
@@ -119,3 +125,57 @@ def build_uvit(
         lsc_method=lsc_method,
         lsc_kappa=lsc_kappa,
     )
+
+
+def load_config_source(path: str | os.PathLike) -> dict:
+    """The model config of ``--model_config_name_or_path``: a JSON file, a model folder (``config.json``), a
+    pipeline folder (its ``unet/config.json``) or a Hub repo holding one of these."""
+    option = f"--model_config_name_or_path {str(path)!r}"
+    if Path(path).is_file():
+        try:
+            config = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{option} is not a JSON config file: {error}") from error
+    else:
+        try:
+            config, _ = load_model_config(path)
+        except ValueError:
+            raise ValueError(
+                f"{option}: no such config file, and no model or pipeline folder (or Hub repo) with a config.json"
+            ) from None
+    if not isinstance(config, dict) or "_class_name" not in config:
+        raise ValueError(f"{option} is not a diffusers model config (it has no _class_name)")
+    return config
+
+
+def build_from_config(
+    path: str | os.PathLike,
+    resolution: int,
+    channels: int,
+    num_class_embeds: int | None,
+    lsc_method: str,
+    lsc_kappa: float,
+) -> ModelMixin:
+    """A freshly initialised network from a model config (as diffusers' ``UNet2DModel.from_config``), of the class
+    its ``_class_name`` names; a vanilla ``UNet2DModel`` becomes a ``ScaleLongUNet2DModel`` when ``lsc_method`` is
+    not ``none`` (the ScaleLong classes, EDM2 UNet and U-ViT take ``lsc_method`` / ``lsc_kappa`` from the options
+    then). The config must fit the data: ``sample_size``, ``in_channels`` and ``num_class_embeds`` are checked."""
+    config = load_config_source(path)
+    class_name = config["_class_name"]
+    if lsc_method != "none":
+        class_name = SCALELONG_SUBCLASS.get(class_name, class_name)
+    cls = model_class_by_name(class_name)
+    wanted = dict(sample_size=resolution, in_channels=channels, num_class_embeds=num_class_embeds)
+    for key, value in wanted.items():
+        found = config.get(key)
+        if found != value and not (key == "sample_size" and found in (value, [value, value])):
+            raise ValueError(
+                f"--model_config_name_or_path {str(path)!r}: {key} is {found}, the data needs {value} "
+                "(--resolution, the images' channels, --class_conditional)"
+            )
+    overrides = {}
+    if lsc_method != "none":
+        if "lsc_method" not in inspect.signature(cls.__init__).parameters:
+            raise ValueError(f"--lsc {lsc_method}: {class_name} has no long-skip scaling (lsc_method)")
+        overrides = dict(lsc_method=lsc_method, lsc_kappa=lsc_kappa)
+    return cls.from_config({**config, **overrides})

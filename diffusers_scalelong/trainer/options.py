@@ -63,6 +63,20 @@ def add_ddpm_loss_args(group) -> None:
     )
 
 
+def add_pretrained_source_args(group) -> None:
+    """``--revision`` and ``--variant`` of ``--pretrained_model_name_or_path``, as diffusers' example scripts."""
+    group.add_argument(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of the pretrained Hub repo to load (passed to every from_pretrained)",
+    )
+    group.add_argument(
+        "--variant",
+        default=None,
+        help="weight-file variant of the pretrained model, e.g. fp16 for diffusion_pytorch_model.fp16.safetensors",
+    )
+
+
 def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int = 16) -> None:
     """Options common to all training scripts: output, steps, optimiser, Accelerate, checkpoints, EMA, Hub."""
     out = parser.add_argument_group("output and steps")
@@ -193,7 +207,15 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
         default=None,
         help="write a PNG sample grid at the end of every N-th epoch (and at the end)",
     )
-    ckpt.add_argument("--num_grid_images", type=positive_int, default=16, help="images in each sample grid")
+    ckpt.add_argument(
+        "--eval_batch_size",
+        "--num_grid_images",
+        dest="num_grid_images",
+        type=positive_int,
+        default=16,
+        help="images per sampler batch of a sample grid (diffusers' --eval_batch_size): the whole grid of an "
+        "unconditional run, one row per class of a class-conditional run, one row per validation prompt",
+    )
     ckpt.add_argument(
         "--num_inference_steps", type=positive_int, default=None, help="sampler steps for grids (default: the recipe's)"
     )

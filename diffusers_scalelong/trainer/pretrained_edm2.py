@@ -32,25 +32,38 @@ class PretrainedEDM2Parts:
     vae_pixel_range: str | None = None
 
 
-def _local_folder(path: str | os.PathLike) -> Path:
+def _local_folder(path: str | os.PathLike, revision: str | None) -> Path:
     if Path(path).is_dir():
         return Path(path)
     patterns = ["model_index.json", PRECONDITIONER_CONFIG, "uncertainty/*", "vae/*"]
-    return Path(snapshot_download(str(path), allow_patterns=patterns))
+    return Path(snapshot_download(str(path), allow_patterns=patterns, revision=revision))
 
 
-def load_pretrained_edm2_parts(path: str | os.PathLike) -> PretrainedEDM2Parts:
-    """Read the parts of a local folder or Hub repo; a folder without them gives an empty result."""
-    folder = _local_folder(path)
+def _variant(component: Path, variant: str | None) -> str | None:
+    """``variant`` where the component has weights of that variant, else None: as diffusers' pipeline loader, a
+    component saved without variants loads its plain weights."""
+    if variant is not None and any(component.glob(f"*.{variant}.safetensors")):
+        return variant
+    return None
+
+
+def load_pretrained_edm2_parts(
+    path: str | os.PathLike, revision: str | None = None, variant: str | None = None
+) -> PretrainedEDM2Parts:
+    """Read the parts of a local folder or Hub repo (at ``revision``; weight files of ``variant``, e.g. ``fp16``);
+    a folder without them gives an empty result."""
+    folder = _local_folder(path, revision)
     parts = PretrainedEDM2Parts()
     if (folder / PRECONDITIONER_CONFIG).is_file() and (folder / "uncertainty").is_dir():
         parts.sigma_data = float(EDMPreconditioner.read_config(folder)["sigma_data"])
-        parts.uncertainty = LearnedUncertainty.from_pretrained(folder / "uncertainty")
+        parts.uncertainty = LearnedUncertainty.from_pretrained(
+            folder / "uncertainty", variant=_variant(folder / "uncertainty", variant)
+        )
     index_path = folder / "model_index.json"
     if index_path.is_file():
         index = json.loads(index_path.read_text(encoding="utf-8"))
         entry = index.get("vae")
         if isinstance(entry, list) and entry[0] is not None and (folder / "vae").is_dir():
-            parts.vae = AutoencoderKL.from_pretrained(folder / "vae")
+            parts.vae = AutoencoderKL.from_pretrained(folder / "vae", variant=_variant(folder / "vae", variant))
             parts.vae_pixel_range = index.get("vae_pixel_range", "[-1, 1]")
     return parts
