@@ -10,6 +10,7 @@ it exactly as it talks to the Hub, with ``HfApi(endpoint=...)`` or ``HF_ENDPOINT
   missing files, revisions or repos (answered with the Hub's ``X-Error-Code`` headers so the client raises
   ``EntryNotFoundError`` / ``RevisionNotFoundError`` / ``RepositoryNotFoundError``).
 * **Writes** are handled here: ``POST /api/repos/create``, ``DELETE /api/repos/delete``, ``POST /api/validate-yaml``,
+  ``GET /api/whoami-v2`` (accepts ``TOKEN`` with write and ``READ_TOKEN`` with read access, else 401),
   ``POST /api/<type>s/<ns>/<name>/preupload/<rev>`` (every file is answered ``"regular"``, so no LFS or Xet
   endpoint is needed; clients set ``HF_HUB_DISABLE_XET=1``) and the NDJSON
   ``POST /api/<type>s/<ns>/<name>/commit/<rev>`` (inline base64 files, deleted files and folders), which becomes
@@ -199,6 +200,9 @@ _API_WRITE = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(preuploa
 _RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
 _REPO_INFO = re.compile(r"^/api/(models|datasets|spaces)/[^/]+/[^/]+$")
 _CHUNK = 64 * 1024
+LOCAL_USER = "local-user"
+TOKEN, READ_TOKEN = "hf_localhubwritetoken", "hf_localhubreadtoken"  # the tokens `whoami` accepts
+TOKENS = {TOKEN: "write", READ_TOKEN: "read"}
 
 
 def build_app(root: Path):
@@ -300,6 +304,14 @@ def build_app(root: Path):
         base = str(request.base_url).rstrip("/")
         return {"commitUrl": f"{base}/{prefix}{repo_id}/commit/{sha}", "commitOid": sha, "pullRequestUrl": None}
 
+    @hub.get("/api/whoami-v2")
+    async def whoami(request: Request):
+        """Who a token belongs to; a missing or unknown token is answered 401 as by the Hub."""
+        token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if token not in TOKENS:
+            raise HubError(401, None, "Invalid credentials in Authorization header")
+        return {"type": "user", "name": LOCAL_USER, "auth": {"accessToken": {"role": TOKENS[token]}}}
+
     @hub.post("/api/validate-yaml")
     async def validate_yaml(request: Request):
         """The client checks a README's metadata before committing it."""
@@ -395,7 +407,9 @@ def build_app(root: Path):
                 # Let olah serve the file, after checking it exists (olah answers a missing path with a 500).
                 await asyncio.to_thread(store.read, repo_type, repo_id, revision, file_path)
                 return await olah_app(scope, receive, logged_send)
-            if path.startswith(("/_local_hub/", "/api/repos/", "/api/validate-yaml")) or _API_WRITE.match(path):
+            if path.startswith(
+                ("/_local_hub/", "/api/repos/", "/api/validate-yaml", "/api/whoami-v2")
+            ) or _API_WRITE.match(path):
                 return await hub(scope, receive, logged_send)
             if _REPO_INFO.match(path) and method in ("GET", "HEAD"):
                 # olah offline answers repo info only for an explicit revision; the Hub's default is main.
@@ -456,6 +470,7 @@ class LocalHub:
 
         ``hub_cache`` sets ``HF_HUB_CACHE`` so the subprocess does not touch the user's cache."""
         env = {**os.environ, "HF_ENDPOINT": self.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
+        env["HF_TOKEN"] = TOKEN
         env.update(HF_HUB_DISABLE_TELEMETRY="1", DIFFUSERS_NO_ADVISORY_WARNINGS="1")
         if hub_cache is not None:
             env["HF_HUB_CACHE"] = str(hub_cache)

@@ -28,7 +28,7 @@ dies, so the partial file itself is not reused across processes).
 ``sigma_rel``.
 
 All functions take ``endpoint`` and ``token`` (``None``: the ``huggingface_hub`` defaults, ``HF_ENDPOINT`` / saved
-login).
+login); an endpoint that cannot be reached raises ``diffusers_scalelong.hub.HubAccessError`` naming it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData, snapshot_download
 
+from ..hub.access import reports_unreachable_hub
 from ..hub.cards import build_card, markdown_table
 from ..integrity import load_verified
 from .profiles import sigma_rel_to_gamma
@@ -96,6 +97,7 @@ _REMOTE_FIELDS = (
 # ----------------------------------------------------------------------------------------------------------------
 # Push
 # ----------------------------------------------------------------------------------------------------------------
+@reports_unreachable_hub
 def push_snapshots(
     folder: str | os.PathLike,
     repo_id: str,
@@ -137,6 +139,7 @@ def push_snapshots(
     return api.create_commit(repo_id, operations, commit_message=message, revision=revision, parent_commit=head)
 
 
+@reports_unreachable_hub
 def push_reconstruction(
     model_folder: str | os.PathLike,
     repo_id: str,
@@ -197,6 +200,7 @@ def _read_provenance(model_folder: Path, sigma_rel: float | None) -> dict[str, A
 # ----------------------------------------------------------------------------------------------------------------
 # Pull
 # ----------------------------------------------------------------------------------------------------------------
+@reports_unreachable_hub
 def list_remote_snapshots(
     repo_id: str,
     *,
@@ -215,6 +219,7 @@ def list_remote_snapshots(
     return _list_at_commit(api, repo_id, commit, _clean_prefix(path_in_repo), cache_dir)
 
 
+@reports_unreachable_hub
 def pull_snapshots(
     repo_id: str,
     *,
@@ -257,6 +262,7 @@ def pull_snapshots(
     return infos
 
 
+@reports_unreachable_hub
 def reconstruct_from_hub(
     repo_id: str,
     target_sigma_rels: Sequence[float],

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import shutil
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -35,6 +34,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .._version import __version__
+from ..atomic import clean_stale_temporaries, replace_path, staging_folder
 from ..integrity import (
     TensorDigest,
     _raw_bytes,
@@ -351,6 +351,7 @@ def save_planned_models(
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"output_dir {output_dir} exists and is not a folder")
+    clean_stale_temporaries(output_dir, ("phema-*",))  # an earlier run killed mid-write: its folders put right
     destinations = [output_dir / reconstruction_dirname(plan.target_time, s) for s in plan.target_sigma_rels]
     if len(set(destinations)) != len(destinations):
         raise ValueError(f"target sigma_rels must be distinct, got {plan.target_sigma_rels}")
@@ -365,11 +366,16 @@ def save_planned_models(
     output_dir.mkdir(parents=True, exist_ok=True)
     staging: list[Path] = []
     try:
-        for state, sigma_rel, gamma, column, error in zip(
-            states, plan.target_sigma_rels, plan.target_gammas, plan.coefficients.T, plan.relative_errors, strict=True
+        for state, sigma_rel, gamma, column, error, destination in zip(
+            states,
+            plan.target_sigma_rels,
+            plan.target_gammas,
+            plan.coefficients.T,
+            plan.relative_errors,
+            destinations,
+            strict=True,
         ):
-            folder = output_dir / f".phema-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            folder.mkdir()
+            folder = staging_folder(output_dir, destination.name)
             staging.append(folder)
             if model_class is not None:
                 model = model_class.from_config(info.model_config)
@@ -382,9 +388,7 @@ def save_planned_models(
             record["files"] = folder_manifest(folder)
             (folder / PROVENANCE_FILENAME).write_text(json.dumps(record, indent=2) + "\n")
         for folder, destination in zip(staging, destinations, strict=True):
-            if destination.exists():
-                shutil.rmtree(destination)
-            os.replace(folder, destination)
+            replace_path(folder, destination)  # the old folder moved aside first: a kill leaves old or new
     except BaseException:
         for folder in staging:
             shutil.rmtree(folder, ignore_errors=True)

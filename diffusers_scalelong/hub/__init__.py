@@ -2,15 +2,26 @@
 
 - ``layout``: the Hub-native layout of a saved pipeline folder (shim files for ``trust_remote_code=True``), its
   model card and :func:`push_pipeline_to_hub`;
+- ``access``: one clear error when the Hub cannot be reached, and the check before a long job that ends in a push;
 - post-hoc EMA snapshot sets and reconstructed models travel through :mod:`diffusers_scalelong.ema.hub_transfer`.
 
 The EMA transfer functions were importable from this module before; those names still resolve here (deprecated).
 """
 
+from .access import HubAccessError, check_hub_access
 from .cards import build_card, markdown_table
 from .layout import model_card, push_pipeline_to_hub, shim_folder, write_hub_layout
 
-__all__ = ["build_card", "markdown_table", "model_card", "push_pipeline_to_hub", "shim_folder", "write_hub_layout"]
+__all__ = [
+    "HubAccessError",
+    "build_card",
+    "check_hub_access",
+    "markdown_table",
+    "model_card",
+    "push_pipeline_to_hub",
+    "shim_folder",
+    "write_hub_layout",
+]
 
 _MOVED_TO_EMA = (
     "DEFAULT_PATH_IN_REPO",

@@ -26,6 +26,7 @@ from diffusers import DiffusionPipeline
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
 from ..atomic import atomic_write_text
+from .access import reports_unreachable_hub
 from .cards import INSTALL, build_card, markdown_table
 
 PACKAGE = "diffusers_scalelong"
@@ -146,6 +147,7 @@ def model_card(
     )
 
 
+@reports_unreachable_hub
 def push_pipeline_to_hub(
     pipeline: DiffusionPipeline,
     repo_id: str,

@@ -19,10 +19,11 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin, broadcast
 from tqdm.auto import tqdm
 
+from ..hub.access import HubAccessError, check_hub_access
 from ..integrity import check_finite
 from .checkpoint import Checkpoint
 from .frozen import FrozenModules, weight_dtype
-from .output import push_run_to_hub, save_pipeline_atomic
+from .output import clean_interrupted_writes, push_run_to_hub, save_pipeline_atomic
 from .rng import TrainingRNG
 from .run_identity import SNAPSHOT_FOLDER, RunStart
 from .training_ema import TrainingEMA, count_parameters
@@ -151,10 +152,13 @@ def adamw_class(args: argparse.Namespace) -> type[torch.optim.Optimizer]:
 def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, run: RunStart) -> Path:
     """Train ``job`` as the options say, starting as ``run`` says (``run_identity.start_run``); returns
     ``output_dir`` holding the pipeline. Raises ``TrainingDiverged``."""
+    if args.push_to_hub:  # the Hub answers and the credentials may write: checked before any work
+        check_hub_access(args.hub_model_id, private=args.hub_private_repo or None)
     apply_compute_options(args, job.unet)
     accelerator = make_accelerator(args, output_dir)
     if accelerator.is_main_process:
         run.clear_discarded(output_dir)
+        clean_interrupted_writes(output_dir)
     accelerator.wait_for_everyone()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     step_rng = TrainingRNG(args.seed + accelerator.process_index, accelerator.device)  # noise differs per process
@@ -349,12 +353,13 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
 
 
 def run_script_main(parser: argparse.ArgumentParser, train: Callable, argv: list[str] | None = None) -> int:
-    """Parse options and call ``train(args)``: a ``ValueError`` exits with status 2 and its message (bad input); a
-    diverged loss exits with status 1 naming the last good checkpoint."""
+    """Parse options and call ``train(args)``: a ``ValueError`` (bad input) or ``HubAccessError`` (the Hub cannot be
+    reached or refuses the credentials) exits with status 2 and its message; a diverged loss exits with status 1
+    naming the last good checkpoint."""
     args = parser.parse_args(argv)
     try:
         train(args)
-    except ValueError as error:
+    except (ValueError, HubAccessError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except TrainingDiverged as error:
         found = Checkpoint.find_all(args.output_dir)

@@ -6,6 +6,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..atomic import clean_stale_temporaries, replace_path, staging_folder
+from .run_identity import SAMPLES_FOLDER, SNAPSHOT_FOLDER
+
+PIPELINE_TEMPORARIES = ("pipeline", "*.old")  # the staging folder and the components moved aside
+
 
 def ensure_writable_dir(path: str | os.PathLike, option: str = "--output_dir") -> Path:
     """Create ``path`` if needed and prove it is writable by writing and removing a temporary file.
@@ -25,36 +30,41 @@ def ensure_writable_dir(path: str | os.PathLike, option: str = "--output_dir") -
 def replace_folder_contents(source: str | os.PathLike, target: str | os.PathLike, last: tuple[str, ...] = ()) -> None:
     """Move every entry of ``source`` into ``target``, replacing entries of the same name.
 
-    Each entry is swapped in with ``os.replace``; names in ``last`` (e.g. ``model_index.json``) are moved after all
-    others so that a reader never sees an index that points at half-written components.
+    Each entry is swapped in with ``atomic.replace_path`` (a kill leaves the old entry or the new one, never
+    neither); names in ``last`` (e.g. ``model_index.json``) are moved after all others so that a reader never sees
+    an index that points at half-written components.
     """
     source, target = Path(source), Path(target)
     target.mkdir(parents=True, exist_ok=True)
-    names = sorted(os.listdir(source), key=lambda name: (name in last, name))
-    for name in names:
-        destination = target / name
-        old = None
-        if destination.is_dir() and not destination.is_symlink():
-            old = target / f".{name}.old-{os.getpid()}"
-            os.replace(destination, old)
-        os.replace(source / name, destination)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    for name in sorted(os.listdir(source), key=lambda name: (name in last, name)):
+        replace_path(source / name, target / name)
 
 
 def save_pipeline_atomic(pipeline, output_dir: str | os.PathLike) -> Path:
     """``pipeline.save_pretrained`` into a temporary folder, then swap its entries into ``output_dir``.
 
-    ``model_index.json`` is moved last, so a reader never finds an index whose components are half written.
+    ``model_index.json`` is moved last, so a reader never finds an index whose components are half written. The
+    leftovers of an earlier save that was killed are put right first (see ``atomic.clean_stale_temporaries``).
     """
     output_dir = Path(output_dir)
-    tmp = Path(tempfile.mkdtemp(dir=output_dir, prefix=".pipeline-"))
+    clean_stale_temporaries(output_dir, PIPELINE_TEMPORARIES)
+    tmp = staging_folder(output_dir, "pipeline")
     try:
         pipeline.save_pretrained(tmp)
         replace_folder_contents(tmp, output_dir, last=("model_index.json",))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output_dir
+
+
+def clean_interrupted_writes(output_dir: str | os.PathLike) -> list[Path]:
+    """Put right what a killed run left in its output folder: the final pipeline's temporaries, and half-written
+    snapshot files and sample grids; each is named in a warning. Returns the entries handled."""
+    output_dir = Path(output_dir)
+    handled = clean_stale_temporaries(output_dir, PIPELINE_TEMPORARIES)
+    handled += clean_stale_temporaries(output_dir / SNAPSHOT_FOLDER, ("phema-*.safetensors",))
+    handled += clean_stale_temporaries(output_dir / SAMPLES_FOLDER, ("*.png",))
+    return handled
 
 
 def push_run_to_hub(pipeline, output_dir: str | os.PathLike, repo_id: str, private: bool = False) -> str:
