@@ -211,6 +211,7 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
         "--eval_batch_size",
         "--num_grid_images",
         dest="num_grid_images",
+        metavar="N",
         type=positive_int,
         default=16,
         help="images per sampler batch of a sample grid (diffusers' --eval_batch_size): the whole grid of an "
