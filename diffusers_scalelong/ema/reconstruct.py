@@ -2,9 +2,8 @@
 
 For targets ``(t_r, gamma_r)`` the coefficients ``X`` solve ``A X = B`` in float64 with ``A_ij = <p_i, p_j>`` over
 the snapshots at times ``0 < t_i <= t_r`` and ``B_ij = <p_i, p_target_j>``; each column is rescaled to sum to 1.
-The reconstructed weights are ``theta_j = sum_i X_ij theta_i``. The pass is key-major: one tensor (in blocks of rows)
-of every snapshot is stacked and combined into all targets by one matrix product, so memory is one bounded block
-plus the outputs, whatever the number of snapshots.
+The reconstructed weights are ``theta_j = sum_i X_ij theta_i``. Snapshots are read one tensor at a time and added
+into one accumulator per target, so memory is one tensor plus the outputs, whatever the number of snapshots.
 Buffers are not averaged: they are taken from the newest snapshot used.
 
 Integrity: the snapshots must come from one training run (one ``run_id``); every tensor read is hashed on the way
@@ -14,22 +13,19 @@ finite before it is saved. A saved folder's ``phema.json`` (written last) record
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
-import math
 import os
 import shutil
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -37,9 +33,9 @@ from .._version import __version__
 from ..atomic import clean_stale_temporaries, replace_path, staging_folder
 from ..integrity import (
     TensorDigest,
-    _raw_bytes,
     check_finite,
     check_recorded_digest,
+    data_sha256,
     folder_manifest,
     verify_manifest,
 )
@@ -51,8 +47,6 @@ from .snapshots import SnapshotInfo, list_snapshots, snapshot_filename, storage_
 ALLOWED_MODEL_PACKAGES = ("diffusers", "diffusers_scalelong")
 PROVENANCE_FILENAME = "phema.json"
 ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-#: Bytes of one stacked block (one tensor's rows of every snapshot, in the accumulation dtype).
-STACK_BLOCK_BYTES = 64 * 2**20
 T = TypeVar("T")
 
 
@@ -166,75 +160,36 @@ def plan_reconstruction(
     return ReconstructionPlan(target_time, target_sigma_rels, target_gammas, tuple(used), coefficients, errors)
 
 
-def _read_rows(handle: Any, key: str, rows: tuple[int, int] | None, path: Path) -> torch.Tensor:
-    """Rows ``start:stop`` (first dimension) of tensor ``key`` of an open snapshot file, or all of it (``None``)."""
-    try:
-        return handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0] : rows[1]]
-    except (OSError, RuntimeError, ValueError, SafetensorError) as error:
-        raise ValueError(f"could not read snapshot file {path}: {error}") from None
-
-
-def _row_blocks(shape: tuple[int, ...], num_snapshots: int, itemsize: int) -> list[tuple[int, int] | None]:
-    """Row ranges of a tensor such that one range of all snapshots, stacked, stays within ``STACK_BLOCK_BYTES``
-    (at least one row); ``[None]`` (read whole) when the whole tensor fits or it has no rows to slice."""
-    numel = math.prod(shape)
-    if not shape or numel * num_snapshots * itemsize <= STACK_BLOCK_BYTES:
-        return [None]
-    rows_per_block = max(1, STACK_BLOCK_BYTES // (num_snapshots * (numel // shape[0]) * itemsize))
-    return [(start, min(start + rows_per_block, shape[0])) for start in range(0, shape[0], rows_per_block)]
-
-
 def _accumulate(
     plan: ReconstructionPlan, accumulate_dtype: torch.dtype, dtype: torch.dtype, progress: bool
 ) -> list[dict[str, torch.Tensor]]:
-    """Key-major pass over the plan's snapshots: for each tensor, the snapshots' values (in blocks of rows) are
-    stacked and combined into all targets by one matrix product ``coefficients.T @ stack``.
-
-    Every file is open for the whole pass and each tensor is read once; memory is the outputs plus one stacked
-    block (``STACK_BLOCK_BYTES``). Tensor bytes are hashed on a worker thread while they are combined, and every
-    file's checksum is compared with its header before anything is returned.
-    """
+    """Stream over the plan's snapshots, one tensor at a time, into one accumulator per target."""
     last = plan.snapshots[-1]
     copied = set(last.copied_keys)
     averaged_keys = [k for k in last.shapes if k not in copied]
-    weights = torch.from_numpy(plan.coefficients.T.copy()).to(accumulate_dtype)  # (targets, snapshots)
-    itemsize = weights.element_size()
-    outputs: list[dict[str, torch.Tensor]] = [{} for _ in plan.target_sigma_rels]
-    digests = [TensorDigest() for _ in plan.snapshots]
-    with ExitStack() as files, ThreadPoolExecutor(max_workers=1) as hasher:  # one worker: updates stay in order
-        handles = []
-        for info in plan.snapshots:
+    outputs: list[dict[str, torch.Tensor]] = [
+        {k: torch.zeros(last.shapes[k], dtype=accumulate_dtype) for k in averaged_keys} for _ in plan.target_sigma_rels
+    ]
+    with ThreadPoolExecutor(max_workers=1) as hasher:  # hashes each tensor while it is added into the outputs
+        for info, row in zip(
+            tqdm(plan.snapshots, desc="reconstructing EMA", unit="snapshot", disable=not progress),
+            plan.coefficients.tolist(),
+            strict=True,
+        ):
+            digest = TensorDigest()
             try:
-                handles.append(files.enter_context(safe_open(str(info.path), framework="pt")))
-            except (OSError, RuntimeError, ValueError, SafetensorError) as error:
+                with safe_open(str(info.path), framework="pt") as f:
+                    for key in averaged_keys:
+                        stored = f.get_tensor(key)
+                        hashed = hasher.submit(data_sha256, stored)
+                        # convert once for several targets; with one target the mixed-dtype add is faster
+                        tensor = stored.to(accumulate_dtype) if len(outputs) > 1 else stored
+                        for output, weight in zip(outputs, row, strict=True):
+                            output[key].add_(tensor, alpha=weight)
+                        digest.add(key, stored, hashed.result())
+                    copies = {k: f.get_tensor(k) for k in info.copied_keys}
+            except (OSError, RuntimeError, ValueError) as error:
                 raise ValueError(f"could not read snapshot file {info.path}: {error}") from None
-        for key in tqdm(averaged_keys, desc="reconstructing EMA", unit="tensor", disable=not progress):
-            shape = last.shapes[key]
-            targets = [torch.empty(shape, dtype=dtype) for _ in outputs]
-            flat_targets = [target.view(-1) for target in targets]
-            hashes = [hashlib.sha256() for _ in handles]
-            pending, stored_dtypes = [], [torch.float32] * len(handles)
-            for rows in _row_blocks(shape, len(handles), itemsize):
-                stacked = None
-                for i, (handle, info) in enumerate(zip(handles, plan.snapshots, strict=True)):
-                    block = _read_rows(handle, key, rows, info.path)
-                    pending.append(hasher.submit(hashes[i].update, _raw_bytes(block)))
-                    stored_dtypes[i] = block.dtype
-                    if stacked is None:
-                        stacked = torch.empty(len(handles), block.numel(), dtype=accumulate_dtype)
-                    stacked[i].copy_(block.reshape(-1))
-                combined = weights @ stacked  # (targets, block elements)
-                start = 0 if rows is None else rows[0] * math.prod(shape[1:])
-                for flat, values in zip(flat_targets, combined, strict=True):
-                    flat[start : start + values.numel()].copy_(values)
-            for future in pending:
-                future.result()
-            for digest, raw, stored_dtype in zip(digests, hashes, stored_dtypes, strict=True):
-                digest.add(key, torch.empty(shape, dtype=stored_dtype, device="meta"), raw.hexdigest())
-            for output, target in zip(outputs, targets, strict=True):
-                output[key] = target
-        for handle, info, digest in zip(handles, plan.snapshots, digests, strict=True):
-            copies = {k: _read_rows(handle, k, None, info.path) for k in info.copied_keys}
             for key, tensor in copies.items():
                 digest.add(key, tensor)
             check_recorded_digest(info.content_sha256, digest.hexdigest(), f"snapshot file {info.path}")
@@ -242,8 +197,9 @@ def _accumulate(
                 buffers = copies
     results = []
     for output in outputs:
-        output.update({k: v.clone() for k, v in buffers.items()})  # buffers: the newest snapshot's
-        results.append({k: output[k] for k in last.shapes})  # the snapshot's key order
+        state = {k: v.to(dtype) for k, v in output.items()}
+        state.update({k: v.clone() for k, v in buffers.items()})
+        results.append({k: state[k] for k in last.shapes})  # the snapshot's key order
     return results
 
 
