@@ -47,6 +47,7 @@ def save_pipeline_atomic(pipeline, output_dir: str | os.PathLike) -> Path:
     leftovers of an earlier save that was killed are put right first (see ``atomic.clean_stale_temporaries``).
     """
     output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
     clean_stale_temporaries(output_dir, PIPELINE_TEMPORARIES)
     tmp = staging_folder(output_dir, "pipeline")
     try:
