@@ -430,6 +430,7 @@ def build_report(out: str, report_path: str) -> str:
     sweep = sweep_section(store, out)
     unstable, unstable_stats = compare_section(store, out, "unstable")
     stable, stable_stats = compare_section(store, out, "stable")
+    edge, edge_stats = compare_section(store, out, "edge")
     conv, conv_stats = compare_section(store, out, "conv")
     magnitudes = magnitudes_section(store, out)
     noise = {
@@ -441,12 +442,14 @@ def build_report(out: str, report_path: str) -> str:
     recipe, recipe_groups = recipe_section(store, out)
     lsc = lsc_section(store)
     budget = budget_section(store)
-    summary_figure(out, {"unstable": unstable_stats, "stable": stable_stats}, posthoc_data, recipe_groups)
+    regimes = {"unstable": unstable_stats, "edge": edge_stats, "stable": stable_stats}
+    summary_figure(out, {name: stats for name, stats in regimes.items() if stats}, posthoc_data, recipe_groups)
     context = {
         "store": store,
         "noise": noise,
         "unstable": unstable_stats,
         "stable": stable_stats,
+        "edge": edge_stats,
         "conv": conv_stats,
         "posthoc": posthoc_data,
         "recipe": recipe_groups,
@@ -457,6 +460,7 @@ def build_report(out: str, report_path: str) -> str:
             "sweep": sweep,
             "unstable": unstable,
             "stable": stable,
+            "edge": edge,
             "conv": conv,
             "magnitudes": magnitudes,
             "posthoc": posthoc,

@@ -80,6 +80,7 @@ def stages(store: ResultStore, scale: dict, only: set[str] | None) -> list[tuple
         ("compare_more_unstable", compare("unstable", [0, 1, 2], more)),
         ("edm2_seed1", lambda: edm2_study.run_stage(store, scale, "seed1")),
         ("compare_more_stable", compare("stable", [0, 1, 2], [m for m in more if m != "ls_nonshared"])),
+        ("compare_edge", compare("edge", [0, 1, 2])),
         ("sweep_extended", sweep(True)),
         ("edm2_lsc", lambda: edm2_study.run_stage(store, scale, "lsc")),
         (

@@ -9,6 +9,7 @@ and of every decoder block's two inputs (hidden state and scaled long skip), at 
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -218,8 +219,16 @@ def sweep_configs(scale: dict, extended: bool) -> list[dict]:
 
 def pick_regimes(store: ResultStore, scale: dict) -> dict[str, dict] | None:
     """From the sweep: 'unstable' = the smallest no-warm-up lr where vanilla spikes (>= 3 loss or gradient spikes),
-    diverges or stalls, for the first depth that has one; 'stable' = the largest lr with warm-up and none of these."""
-    rows = [r for r in store.rows(SWEEP_TABLE) if r["config"]["family"] == "uvit" and r["config"]["method"] == "none"]
+    diverges or stalls, for the first depth that has one; 'stable' = the largest lr with warm-up and none of these;
+    'edge' = the geometric mean of the unstable lr and the largest no-warm-up lr below it at which vanilla trained
+    (the edge of stability, where seeds may go either way), when there is one."""
+    rows = [
+        r
+        for r in store.rows(SWEEP_TABLE)
+        if r["config"]["family"] == "uvit"
+        and r["config"]["method"] == "none"
+        and (r["config"]["width"], r["config"]["batch"]) == (scale["width"], scale["batch"])  # not the extended rows
+    ]
     if not rows:
         return None
 
@@ -236,12 +245,24 @@ def pick_regimes(store: ResultStore, scale: dict) -> dict[str, dict] | None:
     quiet = [r["config"] for r in rows if r["config"]["warmup"] > 0 and not unstable(r)]
     stable = max(quiet, key=lambda c: c["lr"]) if quiet else {**chosen, "lr": min(scale["lrs"])}
     stable = {**stable, "depth": chosen["depth"]}
-    return {"unstable": chosen, "stable": stable}
+    regimes = {"unstable": chosen, "stable": stable}
+    trained = [
+        r["config"]
+        for r in rows
+        if r["config"]["depth"] == chosen["depth"]
+        and r["config"]["warmup"] == 0
+        and r["config"]["lr"] < chosen["lr"]
+        and not unstable(r)
+    ]
+    if trained:
+        below = max(trained, key=lambda c: c["lr"])
+        regimes["edge"] = {**chosen, "lr": float(f"{math.sqrt(below['lr'] * chosen['lr']):.3g}")}
+    return regimes
 
 
 def compare_configs(store: ResultStore, scale: dict, regime: str, seeds: list[int], methods=METHODS) -> list[dict]:
     regimes = pick_regimes(store, scale)
-    if regimes is None:
+    if regimes is None or regime not in regimes:
         return []
     base = {**regimes[regime], "steps": scale["compare_steps"], "regime": regime}
     return [{**base, "method": m, "seed": s} for s in seeds for m in methods]

@@ -75,3 +75,35 @@ def test_study_resumes_and_report_regenerates_from_json_lines(tmp_path, capsys, 
         assert (fresh / figure).stat().st_size > 1000
     report.main(["--out", str(fresh), "--report", str(report_path)])
     assert report_path.read_text() == text  # deterministic: the same JSON lines give the same report
+
+
+def test_regimes_are_picked_from_the_base_sweep_by_the_stated_rule(tmp_path):
+    """Unstable: the smallest failing no-warm-up lr; stable: the largest quiet lr with warm-up; edge: the geometric
+    mean of the unstable lr and the largest no-warm-up lr below it that trained. Extended rows (other widths) do not
+    move the regimes."""
+    import scalelong_study as sl
+    from common import ResultStore, run_key
+
+    scale = {**study.SCALES["full"], "depths": [12]}
+    store = ResultStore(str(tmp_path))
+    base = {"family": "uvit", "depth": 12, "width": scale["width"], "batch": scale["batch"], "method": "none"}
+    base.update({"seed": 0, "steps": 300})
+
+    def add(lr, warmup, loss_tail, **changes):
+        config = {**base, "lr": lr, "warmup": warmup, **changes}
+        record = {"config": config, "loss_tail": loss_tail, "loss_diverged": False, "loss_spikes": 0, "grad_spikes": 0}
+        store.append(sl.SWEEP_TABLE, run_key(config), record)
+
+    add(0.001, 0, 0.3)
+    add(0.01, 0, 0.2)
+    add(0.03, 0, 1.0)  # stalled
+    add(0.01, 100, 0.2)
+    add(0.03, 100, 0.2)
+    add(0.01, 0, 1.0, width=2 * scale["width"])  # an extended row that stalled at a lower lr
+    regimes = sl.pick_regimes(store, scale)
+    assert regimes["unstable"]["lr"] == 0.03 and regimes["unstable"]["warmup"] == 0
+    assert regimes["stable"]["lr"] == 0.03 and regimes["stable"]["warmup"] == 100
+    assert regimes["edge"]["lr"] == 0.0173 and regimes["edge"]["warmup"] == 0  # sqrt(0.01 * 0.03) = 0.01732
+    assert regimes["edge"]["width"] == scale["width"]
+    edge_runs = sl.compare_configs(store, scale, "edge", [0, 1])
+    assert len(edge_runs) == 2 * len(sl.METHODS) and {c["regime"] for c in edge_runs} == {"edge"}
