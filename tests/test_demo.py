@@ -10,12 +10,14 @@ from pathlib import Path
 
 from PIL import Image
 
+from diffusers_scalelong.trainer.loop import _time_left
+
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
 
 def test_demo_plans_trains_samples_and_says_when_the_safety_net_cut_training(tmp_path):
     args = ["--output_dir", str(tmp_path), "--num_samples", "16", "--num_inference_steps", "2"]
-    # A plan of 3 steps, but a safety net of 0.001 minutes: training stops after its first step.
+    # At least 3 steps are needed, but the safety net is 0.001 minutes: training stops after its first step.
     args += [
         "--min_train_steps",
         "3",
@@ -35,9 +37,18 @@ def test_demo_plans_trains_samples_and_says_when_the_safety_net_cut_training(tmp
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "[0/4] throughput" in out and "steps/s" in out and "plan: 3 steps" in out, out
-    assert "stopped training after 1 of 3 steps" in out, out
+    assert "[0/4] throughput" in out and "steps/s" in out and "plan: 0.0 min of training" in out, out
+    assert "stopped training after 1 of the 3 steps wanted" in out, out
+    # The training progress bar counts down the time instead of showing an ETA for steps it will never reach.
+    assert "left=0:00" in result.stderr and "1/3" not in result.stderr, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["num_generated"] == 16 and metrics["FD-FMNISTNet"] > 0
-    assert Image.open(tmp_path / "samples.png").size == (8 * 30 + 2, 8 * 30 + 2)  # 8x8 images of 28 px, 2 px gaps
+    assert Image.open(tmp_path / "samples.png").size == (8 * 34 + 2, 8 * 34 + 2)  # 8x8 images of 32 px, 2 px gaps
     assert (tmp_path / "pipeline" / "model_index.json").is_file()
+
+
+def test_time_left_is_the_time_limit_or_the_last_step_at_the_rate_so_far():
+    assert _time_left(elapsed_s=60, limit_s=300, steps_done=10, steps_left=1000) == "4:00"  # time ends first
+    assert _time_left(elapsed_s=60, limit_s=300, steps_done=100, steps_left=10) == "0:06"  # steps end first: 10 x 0.6 s
+    assert _time_left(elapsed_s=400, limit_s=300, steps_done=5, steps_left=5) == "0:00"  # over time: never negative
+    assert _time_left(elapsed_s=0, limit_s=90, steps_done=0, steps_left=5) == "1:30"  # no rate yet

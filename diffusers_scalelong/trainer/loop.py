@@ -258,9 +258,18 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
         grid.save(output_dir / "samples" / f"step-{step:07d}.png")
         grid.log(accelerator.trackers, step)
 
-    progress = tqdm(total=max_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps")
+    time_limit_s = None if args.max_train_time_minutes is None else 60 * args.max_train_time_minutes
+    progress = tqdm(
+        total=max_steps,
+        initial=global_step,
+        disable=not accelerator.is_local_main_process,
+        desc="steps",
+        # A run that stops on time would show a step count and ETA it never reaches: show the time left instead.
+        bar_format=None if time_limit_s is None else "{desc}: {n_fmt} [{elapsed}, {rate_fmt}{postfix}]",
+    )
     start = time.monotonic()
     step_times = [start]
+    initial_step = global_step
     stop = global_step >= max_steps
     micro_losses = []
     for epoch in range(first_epoch, num_epochs):
@@ -304,13 +313,18 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
             micro_losses.clear()
             if diagnostics is not None:
                 logs.update(diagnostics.end_step())
-            progress.set_postfix(loss=f"{logs['loss']:.4f}")
+            postfix = {"loss": f"{logs['loss']:.4f}"}
+            if time_limit_s is not None:
+                postfix["left"] = _time_left(
+                    time.monotonic() - start, time_limit_s, global_step - initial_step, max_steps - global_step
+                )
+            progress.set_postfix(postfix)
             accelerator.log(logs, step=global_step)
 
             step_times.append(time.monotonic())
             stop = global_step >= max_steps
-            if args.max_train_time_minutes is not None:
-                out_of_time = torch.tensor(float(time.monotonic() - start > 60 * args.max_train_time_minutes))
+            if time_limit_s is not None:
+                out_of_time = torch.tensor(float(time.monotonic() - start > time_limit_s))
                 if accelerator.num_processes > 1:
                     out_of_time = broadcast(out_of_time.to(accelerator.device))
                 if out_of_time.item():
@@ -350,6 +364,15 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
             accelerator.print(f"pushed to {url}")
     accelerator.end_training()
     return output_dir
+
+
+def _time_left(elapsed_s: float, limit_s: float, steps_done: int, steps_left: int) -> str:
+    """Time until training stops: the time limit, or the last step at the rate so far if that comes first."""
+    left = limit_s - elapsed_s
+    if steps_done:
+        left = min(left, steps_left * elapsed_s / steps_done)
+    minutes, seconds = divmod(max(0, round(left)), 60)
+    return f"{minutes}:{seconds:02d}"
 
 
 def run_script_main(parser: argparse.ArgumentParser, train: Callable, argv: list[str] | None = None) -> int:
