@@ -206,7 +206,7 @@ def sweep_verdict(store) -> str:
 
     def name(r):
         c = r["config"]
-        return f"{c['family']} d{c['depth']} lr {c['lr']:g} warm-up {c['warmup']}"
+        return f"{c['family']} d{c['depth']} w{c['width']} b{c['batch']} lr {c['lr']:g} warm-up {c['warmup']}"
 
     text = f"{len(failed)} of {len(rows)} vanilla runs failed ({'; '.join(map(name, failed)) or 'none'})"
     return text + f"; {len(spiky)} had 3 or more spikes ({'; '.join(map(name, spiky)) or 'none'})"
