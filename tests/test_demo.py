@@ -15,9 +15,9 @@ from diffusers_scalelong.trainer.loop import _time_left
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
 
-def test_demo_plans_trains_samples_and_says_when_the_safety_net_cut_training(tmp_path):
+def test_demo_plans_trains_samples_and_says_when_the_time_limit_cut_training(tmp_path):
     args = ["--output_dir", str(tmp_path), "--num_samples", "16", "--num_inference_steps", "2"]
-    # At least 3 steps are needed, but the safety net is 0.001 minutes: training stops after its first step.
+    # 3 steps are wanted, but --train_minutes and --time_cap_minutes are 0.001: training stops after its first step.
     args += [
         "--min_train_steps",
         "3",
