@@ -246,23 +246,32 @@ class PowerFunctionEMA:
         self.last_step = None if state_dict["last_step"] is None else int(state_dict["last_step"])
         self.num_updates = int(state_dict["num_updates"])
 
-    def save_state(self, path: str | os.PathLike) -> None:
+    def save_state(self, path: str | os.PathLike, *, is_main_process: bool = True) -> None:
         """Write ``state_dict()`` as one safetensors file (JSON values in its metadata), atomically.
 
         A pickle-free alternative to ``accelerator.register_for_checkpointing`` (which loads with pickle); call it
         from ``accelerator.register_save_state_pre_hook`` or next to ``save_state``. The file carries the content
-        checksum of its tensors, verified by :meth:`load_state`.
+        checksum of its tensors, verified by :meth:`load_state`. Averages of sharded (FSDP2) parameters are
+        gathered into full tensors, so every process must call this; only ``is_main_process`` writes. The file is
+        the same as an unsharded run's, whatever the number of processes.
         """
         state = self.state_dict()
         tensors = {
-            f"averages.{i}.{k}": v.detach().cpu() for i, a in enumerate(state.pop("averages")) for k, v in a.items()
+            f"averages.{i}.{k}": _gathered(v).detach().cpu()
+            for i, a in enumerate(state.pop("averages"))
+            for k, v in a.items()
         }
-        tensors.update({f"copies.{k}": v.detach().cpu() for k, v in state.pop("copies").items()})
+        tensors.update({f"copies.{k}": _gathered(v).detach().cpu() for k, v in state.pop("copies").items()})
+        if not is_main_process:
+            return
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_safetensors(tensors, path, "state", state)
 
     def load_state(self, path: str | os.PathLike) -> None:
-        """Restore a file written by ``save_state`` (safetensors only, no pickle), its checksum verified."""
+        """Restore a file written by ``save_state`` (safetensors only, no pickle), its checksum verified.
+
+        With sharded (FSDP2) parameters every process reads the full tensors and keeps its own shards.
+        """
         tensors, state = load_verified(path, "state")
         state["averages"] = [
             {k.removeprefix(f"averages.{i}."): v for k, v in tensors.items() if k.startswith(f"averages.{i}.")}
@@ -298,9 +307,10 @@ class PowerFunctionEMA:
             )
         if is_main_process is None:
             is_main_process = True if accelerator is None else bool(accelerator.is_main_process)
-        states = [self.averaged_state_dict(sigma_rel) for sigma_rel in self.sigma_rels]
-        if any(_is_sharded(t) for t in states[0].values()):  # every process gathers, once per snapshot
-            states = [{k: t.full_tensor() if _is_sharded(t) else t for k, t in state.items()} for state in states]
+        # every process gathers sharded averages, once per snapshot
+        states = [
+            {k: _gathered(t) for k, t in self.averaged_state_dict(sigma_rel).items()} for sigma_rel in self.sigma_rels
+        ]
         if not is_main_process:
             return []
         return [
@@ -330,6 +340,11 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a sharded ``DTensor`` (a collective: every process must call it), else ``tensor``."""
+    return tensor.full_tensor() if _is_sharded(tensor) else tensor
+
+
 def _refuse_training_forward(module: nn.Module, args: Any) -> None:
     if module.training:
         raise RuntimeError(
@@ -347,4 +362,9 @@ def _copy_matching(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor
         if tuple(theirs[k].shape) != tuple(t.shape):
             raise ValueError(f"state dict {what}[{k!r}] has shape {tuple(theirs[k].shape)}, expected {tuple(t.shape)}")
     for k, t in mine.items():
-        t.copy_(theirs[k])
+        source = theirs[k]
+        if _is_sharded(t) and not _is_sharded(source):  # a full tensor: keep this process's shard, no communication
+            from torch.distributed.tensor import distribute_tensor
+
+            source = distribute_tensor(source.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+        t.copy_(source)
