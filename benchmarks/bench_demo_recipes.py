@@ -61,8 +61,10 @@ def train(work_dir: Path, name: str, extra: list[str], minutes: float) -> subpro
         str(minutes),
     ]
     command += ["--save_images_steps", "100000", "--seed", "0"]
-    log = open(work_dir / f"{slug(name)}.log", "w")
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(work_dir / f"{slug(name)}.log", "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
 
 
 def score(run_dir: Path, sigma_rel: float, steps: int) -> dict[str, float]:
