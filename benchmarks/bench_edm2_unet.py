@@ -130,7 +130,9 @@ def build_variants(
         Variant("diffusers UNet2DModel", "sample", reference, lambda: reference(x, integer_t)),
     ]
     if compile_:
-        compiled = torch.compile(edm2)  # one graph per mode (train / eval), both kept in dynamo's cache
+        # One graph per mode (train / eval), both kept in dynamo's cache. Static shapes: each resolution compiles
+        # its own graphs (with automatic dynamic shapes the second resolution's graph fails to lower in inductor).
+        compiled = torch.compile(edm2, dynamic=False)
         variants += [
             Variant("EDM2UNet2DModel, torch.compile", "train", edm2, edm2_loss(compiled, x)),
             Variant("EDM2UNet2DModel, torch.compile", "sample", edm2, lambda: compiled(x, c_noise)),

@@ -38,7 +38,8 @@ def test_find_resolve_and_rotate(tmp_path):
 
 
 def test_recorded_state_is_cross_checked_with_the_folder_name(tmp_path):
-    recorded = {"global_step": 7, "num_processes": 1, "run_id": None, "files": None}  # written before run ids
+    # a record written before run ids, file manifests and distributed_type existed
+    recorded = {"global_step": 7, "num_processes": 1, "distributed_type": "ddp", "run_id": None, "files": None}
     assert Checkpoint(_write(tmp_path, 7)).read_state() == recorded
     with pytest.raises(ValueError, match="records step 8, but the folder is named for step 9"):
         Checkpoint(_write(tmp_path, 9, recorded_step=8)).read_state()

@@ -252,7 +252,9 @@ def test_push_to_hub_uploads_pipeline_and_snapshots(local_hub, tmp_path):
     run_script(
         TRAIN_UNCONDITIONAL,
         args,
-        env={k: hub_env[k] for k in ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN")},
+        env={
+            k: hub_env[k] for k in ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN")
+        },
     )
     files = set(HfApi(endpoint=local_hub.endpoint).list_repo_files("trainer/tiny-ddpm"))
     assert {"model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors", "README.md"} <= files

@@ -42,8 +42,19 @@ def model_class_and_config(model: nn.Module) -> tuple[str | None, dict[str, Any]
     """``"module.ClassName"`` and the JSON config of a diffusers ``ConfigMixin`` model, else ``(None, None)``."""
     if not hasattr(model, "to_json_string") or not hasattr(model, "config"):
         return None, None
-    cls = type(model)
-    return f"{cls.__module__}.{cls.__qualname__}", json.loads(model.to_json_string())
+    cls = _unsharded_class(model)
+    config = json.loads(model.to_json_string())
+    config["_class_name"] = cls.__name__
+    return f"{cls.__module__}.{cls.__qualname__}", config
+
+
+def _unsharded_class(model: nn.Module) -> type:
+    """The class of ``model`` before FSDP2's ``fully_shard`` swapped in its subclass ``FSDP<Class>``."""
+    if not torch.distributed.is_available():
+        return type(model)
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _check_time(step: Any) -> int:

@@ -4,8 +4,8 @@ A checkpoint folder holds what ``accelerate.Accelerator.save_state`` writes (opt
 sampler states), the trained models as diffusers folders (``unet/``, and for EDM2 the preconditioner's layout:
 ``unet/``, ``uncertainty/``, ``preconditioner_config.json``), each process's private RNG state, the EMA state and,
 written last, ``training_state.json``: a folder without it is incomplete. The record holds ``global_step``,
-``num_processes``, ``run_id`` (the training run that wrote it) and ``files``, the SHA-256 of every other file in the
-folder; :meth:`Checkpoint.verify` checks all of them before a resume (records written before ``run_id`` and
+``num_processes``, ``distributed_type`` (``ddp`` or ``fsdp``: how the optimiser state is keyed), ``run_id`` (the
+training run that wrote it) and ``files``, the SHA-256 of every other file in the folder; :meth:`Checkpoint.verify` checks all of them before a resume (records written before ``run_id`` and
 ``files`` existed are read unverified).
 """
 
@@ -139,14 +139,17 @@ class Checkpoint:
     def read_state(self) -> dict:
         """``training_state.json``, cross-checked against the folder name.
 
-        Returns ``{"global_step", "num_processes", "run_id", "files"}``; ``run_id`` and ``files`` are ``None`` in
-        records written before they existed.
+        Returns ``{"global_step", "num_processes", "distributed_type", "run_id", "files"}``; ``run_id`` and
+        ``files`` are ``None`` in records written before they existed, ``distributed_type`` is then ``ddp``.
         """
         path = self.path / STATE_FILE
         try:
             state = json.loads(path.read_text())
             step, processes = int(state["global_step"]), int(state["num_processes"])
             run_id, files = state.get("run_id"), state.get("files")
+            distributed_type = state.get("distributed_type", "ddp")
+            if distributed_type not in ("ddp", "fsdp"):
+                raise ValueError(f"distributed_type must be 'ddp' or 'fsdp', got {distributed_type!r}")
             if not (run_id is None or isinstance(run_id, str)):
                 raise TypeError(f"run_id must be a string, got {run_id!r}")
             if not (files is None or (isinstance(files, dict) and all(isinstance(v, str) for v in files.values()))):
@@ -155,7 +158,13 @@ class Checkpoint:
             raise ValueError(f"{str(path)!r} is not a valid training state: {error!r}") from None
         if step != self.step:
             raise ValueError(f"{str(path)!r} records step {step}, but the folder is named for step {self.step}")
-        return {"global_step": step, "num_processes": processes, "run_id": run_id, "files": files}
+        return {
+            "global_step": step,
+            "num_processes": processes,
+            "distributed_type": distributed_type,
+            "run_id": run_id,
+            "files": files,
+        }
 
     def verify(self) -> dict:
         """:meth:`read_state`, then check every file against the recorded SHA-256; returns the state.
@@ -220,6 +229,7 @@ class Checkpoint:
         step: int,
         total_limit: int | None,
         run_id: str | None = None,
+        distributed_type: str = "ddp",
     ) -> "Checkpoint":
         """``accelerator.save_state`` into ``checkpoint-<step>`` atomically, then rotate old checkpoints.
 
@@ -239,6 +249,7 @@ class Checkpoint:
             state = {
                 "global_step": step,
                 "num_processes": accelerator.num_processes,
+                "distributed_type": distributed_type,
                 "run_id": run_id,
                 "files": folder_manifest(tmp, exclude=(STATE_FILE,)),
             }

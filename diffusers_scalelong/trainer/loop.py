@@ -26,6 +26,7 @@ from .frozen import FrozenModules, weight_dtype
 from .output import clean_interrupted_writes, push_run_to_hub, save_pipeline_atomic
 from .rng import TrainingRNG
 from .run_identity import SNAPSHOT_FOLDER, RunStart
+from .sharding import ShardedTraining, clip_grad_norm_
 from .training_ema import TrainingEMA, count_parameters
 
 
@@ -178,6 +179,11 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
             f"x {accelerator.num_processes} processes x --gradient_accumulation_steps {args.gradient_accumulation_steps}"
         )
     job.module.train()
+    sharding = None
+    if args.distributed_type == "fsdp":
+        sharding = ShardedTraining(
+            job.module, job.unet, accelerator.device, accelerator.is_main_process, bf16=args.mixed_precision == "bf16"
+        )
     trainable = [p for p in job.module.parameters() if p.requires_grad]
     optimizer = adamw_class(args)(
         trainable,
@@ -190,7 +196,12 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     max_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
     num_epochs = math.ceil(max_steps / steps_per_epoch)
     lr_scheduler = job.make_lr_scheduler(optimizer, max_steps)
-    module, optimizer, loader, lr_scheduler = accelerator.prepare(job.module, optimizer, loader, lr_scheduler)
+    if sharding is None:
+        module, optimizer, loader, lr_scheduler = accelerator.prepare(job.module, optimizer, loader, lr_scheduler)
+    else:  # FSDP2 handles the module; Accelerate the rest (its data parallel wrapper would replicate the shards)
+        optimizer, loader, lr_scheduler = accelerator.prepare(optimizer, loader, lr_scheduler)
+        module = job.module
+        sharding.save_optimizer_in_full(optimizer)
     unet = job.unet
 
     ema = TrainingEMA(
@@ -200,21 +211,29 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
         snapshot_every=args.snapshot_every,
         use_classic=args.use_ema,
         classic_kwargs=dict(decay=args.ema_max_decay, inv_gamma=args.ema_inv_gamma, power=args.ema_power),
-        enabled=accelerator.is_main_process,
+        is_main_process=accelerator.is_main_process,
+        sharded=sharding is not None,
         run_id=run.run_id,
     )
 
     def save_model_hook(models, weights, folder):
         step_rng.save(folder, accelerator.process_index)
+        trained = [accelerator.unwrap_model(model) for model in models]
+        if sharding is not None:
+            trained = [sharding.gather()]  # every process takes part; the main process gets the whole module
         if accelerator.is_main_process:
-            for model in models:
-                Checkpoint.save_models(accelerator.unwrap_model(model), folder)
-            ema.save(folder)
+            for model in trained:
+                Checkpoint.save_models(model, folder)
+        ema.save(folder)
         for _ in models:
             weights.pop()
 
     def load_model_hook(models, folder):
         step_rng.load(folder, accelerator.process_index)
+        if sharding is not None:
+            if accelerator.is_main_process:
+                Checkpoint.load_models(sharding.copy, folder)
+            sharding.scatter()
         while models:
             Checkpoint.load_models(accelerator.unwrap_model(models.pop()), folder)
 
@@ -225,6 +244,11 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     resume_from = run.resume_from
     if resume_from is not None:
         state = resume_from.read_state()
+        if state["distributed_type"] != args.distributed_type:
+            raise ValueError(
+                f"{resume_from} was written with --distributed_type {state['distributed_type']} (its optimiser state "
+                f"is kept that way); resume it with --distributed_type {state['distributed_type']}"
+            )
         if state["num_processes"] != accelerator.num_processes:
             accelerator.print(
                 f"note: {resume_from} was written by {state['num_processes']} processes, this run has "
@@ -249,12 +273,26 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
         + (f"; frozen: {frozen.describe()}" if job.frozen else "")
     )
 
-    diagnostics = make_diagnostics(unet, args.diagnostics_every) if accelerator.is_main_process else None
+    diagnostics = None
+    if sharding is not None and args.diagnostics_every:
+        accelerator.print("ScaleLong diagnostics are off with sharded parameters (--distributed_type fsdp)")
+    elif accelerator.is_main_process:
+        diagnostics = make_diagnostics(unet, args.diagnostics_every)
+
+    def whole_unet() -> torch.nn.Module | None:
+        """The UNet with its current weights on the main process (None elsewhere); a collective when sharded."""
+        if sharding is not None:
+            sharding.gather()
+            return sharding.unet_copy
+        return unet if accelerator.is_main_process else None
 
     def sample_grid(step: int) -> None:
-        export = ema.export_unet(unet).eval()
+        source = whole_unet()
+        if source is None:
+            return
+        export = ema.export_unet(source).eval()
         grid = job.sample(export, args.num_grid_images, args.seed, args.num_inference_steps)
-        unet.train()
+        source.train()
         grid.save(output_dir / "samples" / f"step-{step:07d}.png")
         grid.log(accelerator.trackers, step)
 
@@ -298,7 +336,8 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
                                 torch.nan_to_num_(parameter.grad, nan=0.0, posinf=0.0, neginf=0.0)
                     if diagnostics is not None:
                         diagnostics.record_gradients()
-                    grad_norm = accelerator.clip_grad_norm_(trainable, args.max_grad_norm or float("inf"))
+                    clip = accelerator.clip_grad_norm_ if sharding is None else clip_grad_norm_
+                    grad_norm = clip(trainable, args.max_grad_norm or float("inf"))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             if not accelerator.sync_gradients:
@@ -330,13 +369,17 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
                 if out_of_time.item():
                     accelerator.print(f"--max_train_time_minutes reached after {global_step} steps")
                     stop = True
-            if accelerator.is_main_process:
-                ema.maybe_snapshot(global_step, final=stop)
-                if job.sample and grid_due(args, global_step, steps_per_epoch, stop):
-                    sample_grid(global_step)
+            ema.maybe_snapshot(global_step, final=stop)
+            if job.sample and grid_due(args, global_step, steps_per_epoch, stop):
+                sample_grid(global_step)
             if global_step % args.checkpointing_steps == 0:
                 saved = Checkpoint.save(
-                    accelerator, output_dir, global_step, args.checkpoints_total_limit, run_id=run.run_id
+                    accelerator,
+                    output_dir,
+                    global_step,
+                    args.checkpoints_total_limit,
+                    run_id=run.run_id,
+                    distributed_type=args.distributed_type,
                 )
                 accelerator.print(f"saved {saved}")
             if stop:
@@ -353,8 +396,9 @@ def run_training(args: argparse.Namespace, job: TrainingJob, output_dir: Path, r
     if diagnostics is not None and diagnostics.history:
         diagnostics.plot(output_dir / "stability.png")
     frozen.restore()  # the final pipeline holds the frozen modules as loaded, not their mixed-precision copies
+    final_unet = whole_unet()
     if accelerator.is_main_process:
-        export = ema.export_unet(unet)
+        export = ema.export_unet(final_unet)
         check_finite(export.state_dict(), f"the final model for {output_dir}")
         pipeline = job.make_pipeline(export)
         save_pipeline_atomic(pipeline, output_dir)

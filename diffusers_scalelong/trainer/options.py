@@ -136,6 +136,16 @@ def add_training_args(parser: argparse.ArgumentParser, default_batch_size: int =
         "--mixed_precision", choices=("no", "fp16", "bf16"), default="no", help="autocast precision of forward passes"
     )
     acc.add_argument(
+        "--distributed_type",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="with several processes: 'ddp' keeps the whole model on every process (data parallel); 'fsdp' shards "
+        "parameters, gradients and optimiser state over the processes (torch FSDP2: each repeated block is one "
+        "unit; bf16 mixed precision keeps float32 shards). fsdp needs 2 or more processes (torchrun "
+        "--nproc_per_node N, or accelerate launch --multi_gpu --num_processes N) and rules out --compile, --use_ema "
+        "and --use_8bit_adam; the ScaleLong diagnostics are off",
+    )
+    acc.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the trained denoiser through Accelerate's dynamo plugin; the first step's time (which "
@@ -280,6 +290,16 @@ def validate_training_args(args: argparse.Namespace) -> None:
         raise ValueError(
             "--report_to wandb needs the wandb package: pip install wandb (or use --report_to tensorboard)"
         )
+    if args.distributed_type == "fsdp":
+        refused = [flag for flag in ("compile", "use_ema", "use_8bit_adam") if getattr(args, flag, False)]
+        if args.mixed_precision == "fp16":
+            refused.append("mixed_precision fp16")
+        if refused:
+            raise ValueError(
+                "--distributed_type fsdp does not support "
+                + ", ".join(f"--{flag}" for flag in refused)
+                + " (use --ema_sigma_rels for EMA and --mixed_precision bf16)"
+            )
     if args.mixed_precision == "fp16":
         import torch
 

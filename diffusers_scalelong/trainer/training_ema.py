@@ -1,6 +1,7 @@
 """EMA bookkeeping of a training run: post-hoc (power-function) EMA with snapshots, and diffusers' classic EMA.
 
-Only the main process keeps averages and writes snapshots; the other processes hold nothing.
+Only the main process keeps averages and writes snapshots, and the other processes hold nothing; with sharded
+parameters (FSDP2) every process averages its own shards and the main process writes what they gather.
 """
 
 import copy
@@ -24,7 +25,9 @@ class TrainingEMA:
         sigma_rels: post-hoc EMA profiles to track (empty: none).
         snapshot_dir / snapshot_every: where and every how many steps to write post-hoc snapshots.
         use_classic: also keep ``diffusers.training_utils.EMAModel`` with ``classic_kwargs``.
-        enabled: False on non-main processes.
+        is_main_process: the process that writes snapshots and checkpoint state.
+        sharded: the UNet's parameters are sharded (FSDP2): every process tracks its shards of the post-hoc EMA,
+            and every process must call :meth:`maybe_snapshot` and :meth:`save`.
         run_id: the training run, recorded in every snapshot (see ``run_identity``).
     """
 
@@ -36,17 +39,20 @@ class TrainingEMA:
         snapshot_every: int | None = None,
         use_classic: bool = False,
         classic_kwargs: dict | None = None,
-        enabled: bool = True,
+        is_main_process: bool = True,
+        sharded: bool = False,
         run_id: str | None = None,
     ):
-        self.enabled = enabled
+        self.is_main_process = is_main_process
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.snapshot_every = snapshot_every
         self.posthoc = None
-        if enabled and sigma_rels:
+        if (is_main_process or sharded) and sigma_rels:
             self.posthoc = PowerFunctionEMA(unet, sigma_rels, device="cpu", run_id=run_id)
         self.classic = None
-        if enabled and use_classic:
+        if use_classic and sharded:
+            raise ValueError("--use_ema (diffusers' EMAModel) needs unsharded parameters; use --ema_sigma_rels")
+        if is_main_process and use_classic:
             self.classic = EMAModel(
                 unet.parameters(),
                 use_ema_warmup=True,
@@ -68,12 +74,12 @@ class TrainingEMA:
             return []
         if step % self.snapshot_every and not final:
             return []
-        return self.posthoc.save_snapshots(str(self.snapshot_dir), step)
+        return self.posthoc.save_snapshots(str(self.snapshot_dir), step, is_main_process=self.is_main_process)
 
     def save(self, folder: str | os.PathLike) -> None:
         """Write the EMA state into a checkpoint folder (safetensors files only)."""
         if self.posthoc is not None:
-            self.posthoc.save_state(os.path.join(folder, POSTHOC_STATE_FILE))
+            self.posthoc.save_state(os.path.join(folder, POSTHOC_STATE_FILE), is_main_process=self.is_main_process)
         if self.classic is not None:
             self.classic.save_pretrained(os.path.join(folder, CLASSIC_EMA_FOLDER))
 
