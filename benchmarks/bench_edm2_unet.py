@@ -184,14 +184,17 @@ def profile_table(batch: int, device: torch.device, row_limit: int = 15) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit, max_name_column_width=50)
 
 
-def machine_description(device: torch.device) -> str:
-    model_name = platform.processor() or platform.machine()
+def cpu_model_name() -> str:
+    """The CPU's model name as ``lscpu`` gives it (else the architecture)."""
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        model_name = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
+        return next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
     except (OSError, StopIteration):
-        pass
-    text = f"{model_name}, {os.cpu_count()} CPUs, torch {torch.__version__}, device {device}"
+        return platform.processor() or platform.machine()
+
+
+def machine_description(device: torch.device) -> str:
+    text = f"{cpu_model_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, device {device}"
     if device.type == "cuda":
         text += f" ({torch.cuda.get_device_name(device)})"
     return text + f", {torch.get_num_threads()} torch threads"

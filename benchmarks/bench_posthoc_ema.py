@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_edm2_unet import cpu_model_name
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -189,16 +190,19 @@ def update_cost_models() -> dict[str, tuple[nn.Module, int, int, int]]:
     """name: (EDM2 network, batch, resolution, channels): the demo's network and a ~100M-parameter one."""
     from diffusers_scalelong.models import EDM2UNet2DModel
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import demo as demo_script  # the main job's network and batch
+
     torch.manual_seed(0)
-    demo = EDM2UNet2DModel(
-        sample_size=28, in_channels=1, model_channels=32, channel_mult=(1, 2, 2), layers_per_block=1,
-        attention_resolutions=(7,), channels_per_head=32, lsc_method="cs", lsc_kappa=0.7,
-    )  # fmt: skip
+    demo = EDM2UNet2DModel(sample_size=demo_script.RESOLUTION, in_channels=1, **demo_script.NETWORK)
     large = EDM2UNet2DModel(
         sample_size=32, in_channels=4, model_channels=128, channel_mult=(1, 2, 3, 4), layers_per_block=2,
         attention_resolutions=(16, 8),
     )  # fmt: skip
-    return {"demo EDM2 (examples/demo.py)": (demo, 32, 28, 1), "EDM2, ~100M parameters": (large, 8, 32, 4)}
+    return {
+        "demo EDM2 (examples/demo.py)": (demo, demo_script.BATCH_SIZE, demo_script.RESOLUTION, 1),
+        "EDM2, ~100M parameters": (large, 8, 32, 4),
+    }
 
 
 def update_cost(rounds: int) -> list[dict]:
@@ -244,8 +248,10 @@ def write_report(
         "# Post-hoc EMA reconstruction vs ema-pytorch PostHocEMA",
         "",
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
-        "the machine was shared with other jobs, so times are indicative (ratios within one row are fairer)",
+        f"- machine: {cpu_model_name()}, {os.cpu_count()} CPUs ({args.reconstruct_threads} torch threads in the "
+        f"reconstructions), {platform.system()} {platform.release()}; load "
+        f"average (1, 5, 15 min) at start {args.load_start}, at end {os.getloadavg()} (on a loaded machine the times "
+        "are indicative; ratios within one row are fairer)",
         f"- software: python {platform.python_version()}, torch {torch.__version__}, ema-pytorch {version('ema-pytorch')}, "
         f"safetensors {version('safetensors')}",
         f"- command: `python benchmarks/bench_posthoc_ema.py --steps {args.steps} --cases {' '.join(map(str, args.cases))} "
@@ -336,6 +342,8 @@ def main() -> None:
         print(json.dumps(result))
         return
 
+    args.load_start = os.getloadavg()
+    args.reconstruct_threads = torch.get_num_threads()  # what the reconstruction subprocesses get
     every = args.steps // (max(args.cases) // 2)
     if args.sweep_files and args.sweep_files > max(args.cases):
         parser.error("--sweep_files must not exceed the largest of --cases")
