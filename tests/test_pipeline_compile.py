@@ -18,8 +18,8 @@ def sample(unet: torch.nn.Module, steps: int = 4) -> torch.Tensor:
 
 
 @pytest.mark.slow  # dynamo traces the whole network: minutes of CPU on a busy 2-core machine
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_compiled_sampling_is_one_graph_without_breaks_or_recompiles(backend):
+@pytest.mark.parametrize(("backend", "channels_last"), [("eager", False), ("inductor", False), ("inductor", True)])
+def test_compiled_sampling_is_one_graph_without_breaks_or_recompiles(backend, channels_last):
     torch.manual_seed(0)
     unet = EDM2UNet2DModel(**TINY_EDM2_UNET, num_class_embeds=3, lsc_method="ls").eval()
     with torch.no_grad():  # non-zero gains, so that every layer shapes the output
@@ -27,6 +27,8 @@ def test_compiled_sampling_is_one_graph_without_breaks_or_recompiles(backend):
     expected = sample(unet)
     torch._dynamo.reset()
     counters.clear()
+    if channels_last:  # the fastest CPU sampling set-up (benchmarks/results/edm2_unet.md)
+        unet = unet.to(memory_format=torch.channels_last)
     compiled = torch.compile(unet, backend=backend, fullgraph=True)  # fullgraph: a graph break raises
     with torch._dynamo.config.patch(error_on_recompile=True):
         images = sample(compiled, steps=4)  # 7 network evaluations (Heun), every one with another c_noise
