@@ -1,6 +1,7 @@
 """train_unconditional.py --distributed_type fsdp: the EDM2 recipe (ScaleLong LS gates, learned uncertainty, post-hoc
 EMA, gradient checkpointing) with FSDP2-sharded parameters on 2 CPU processes, against data-parallel training of the
-same batches with the same random streams; exact resume from its checkpoints; refusals that name the option."""
+same batches with the same random streams; exact resume from its checkpoints; refusals that name the option. Slow:
+train_text_to_image.py fine-tuning a tiny Stable Diffusion UNet sharded, against data parallel."""
 
 import json
 import socket
@@ -9,9 +10,19 @@ import sys
 
 import pytest
 import torch
-from _training_scripts import ROOT, TRAIN_UNCONDITIONAL, load_script_module, run_script, script_env, tensors_equal
+from _training_scripts import (
+    ROOT,
+    TRAIN_TEXT_TO_IMAGE,
+    TRAIN_UNCONDITIONAL,
+    load_script_module,
+    run_script,
+    script_env,
+    tensors_equal,
+    write_image_folder,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_train_text_to_image import tiny_sd  # noqa: F401  (the tiny Stable-Diffusion pipeline fixture)
 
 from diffusers_scalelong.trainer import Checkpoint
 
@@ -44,8 +55,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(output, *extra, launcher: str = "accelerate") -> str:
-    """Train in 2 processes started by ``accelerate launch`` or ``torchrun``; returns their output."""
+def _launch(output, *extra, launcher: str = "accelerate", script=TRAIN_UNCONDITIONAL, run=RUN) -> str:
+    """Train ``script`` with the options ``run`` and ``extra`` in 2 processes started by ``accelerate launch`` or
+    ``torchrun``; returns their output."""
     if launcher == "accelerate":
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
         command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -53,7 +65,7 @@ def _launch(output, *extra, launcher: str = "accelerate") -> str:
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
         command += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}"]
-    command += [str(TRAIN_UNCONDITIONAL), "--output_dir", str(output), *RUN, *map(str, extra)]
+    command += [str(script), "--output_dir", str(output), *map(str, run), *map(str, extra)]
     result = subprocess.run(command, capture_output=True, text=True, env=script_env(), cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout + result.stderr
@@ -75,6 +87,21 @@ def _logged(output, tag: str) -> torch.Tensor:
     return torch.tensor([s.value for s in scalars])
 
 
+def _assert_same_training(sharded, replicated, files: dict[str, str]) -> None:
+    """Each file of ``files`` (final: earlier) holds the same tensors in both runs, up to float rounding."""
+    for name, earlier in files.items():
+        ours, theirs, before = (load_file(path) for path in (sharded / name, replicated / name, sharded / earlier))
+        assert ours.keys() == theirs.keys() == before.keys(), name
+        difference = sum((ours[k] - theirs[k]).square().sum() for k in theirs).sqrt()
+        change = sum((theirs[k] - before[k]).square().sum() for k in theirs).sqrt()
+        # Same batches, same noise, float32: the processes' gradients are summed by a reduce-scatter instead of an
+        # all-reduce (another order of the same additions). Adam's g / sqrt(v) turns the last-bit differences of a
+        # few near-zero gradient entries into differences up to ~1e-4, so the files are compared as a whole: the
+        # difference is 1.5e-5 of what steps 4-6 changed in the EDM2 run (measured), while sharding mistakes (an
+        # unprojected shard, a gradient not averaged) make it of order 1.
+        assert difference < 1e-3 * change, (name, difference.item(), change.item())
+
+
 # One test: its 4 launches share the runs (a fixture shared by two tests could run on both pytest workers).
 def test_sharded_training_equals_data_parallel_training_and_resumes_exactly(tmp_path):
     sharded, replicated = tmp_path / "fsdp", tmp_path / "ddp"
@@ -88,17 +115,7 @@ def test_sharded_training_equals_data_parallel_training_and_resumes_exactly(tmp_
     assert log.count("pipeline saved to") == 1
     # the same files, written once: models, optimiser state, EMA state and snapshots in full (unsharded) form
     assert _files(sharded) == _files(replicated)
-    for name, earlier in FILES.items():
-        ours, theirs, before = (load_file(path) for path in (sharded / name, replicated / name, sharded / earlier))
-        assert ours.keys() == theirs.keys() == before.keys(), name
-        difference = sum((ours[k] - theirs[k]).square().sum() for k in theirs).sqrt()
-        change = sum((theirs[k] - before[k]).square().sum() for k in theirs).sqrt()
-        # Same batches, same noise, float32: the processes' gradients are summed by a reduce-scatter instead of an
-        # all-reduce (another order of the same additions). Adam's g / sqrt(v) turns the last-bit differences of a
-        # few near-zero gradient entries into differences up to ~1e-4, so the files are compared as a whole: the
-        # difference is 1.5e-5 of what steps 4-6 changed (measured), while sharding mistakes (an unprojected
-        # shard, a gradient not averaged) make it of order 1.
-        assert difference < 1e-3 * change, (name, difference.item(), change.item())
+    _assert_same_training(sharded, replicated, FILES)
     final, before = (load_file(sharded / name) for name in next(iter(FILES.items())))  # the UNet at steps 6 and 3
     assert max((final[k] - before[k]).abs().max().item() for k in final) > 1e-2, "the model did not train"
     gates = [k for k in final if k.startswith("lsc.gates.")]  # ScaleLong's LS calibration, sharded with the UNet
@@ -159,3 +176,19 @@ def test_refusals_name_the_problem(tmp_path, capsys):
             script.main([*base, *extra])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow  # a tiny Stable Diffusion fine-tuned in 2 launches of 2 processes: about a minute
+def test_text_to_image_unet_sharded_equals_data_parallel(tiny_sd, tmp_path):  # noqa: F811
+    data = write_image_folder(tmp_path / "data", count=8, size=16, captions=True)
+    run = ["--pretrained_model_name_or_path", tiny_sd, "--train_data_dir", data, "--resolution", 16, "--lsc", "cs"]
+    run += ["--kappa", 0.5, "--train_batch_size", 2, "--learning_rate", "1e-3", "--max_train_steps", 4]
+    run += ["--checkpointing_steps", 2, "--report_to", "none", "--ema_sigma_rels", 0.1, "--snapshot_every", 2]
+    sharded, replicated = tmp_path / "fsdp", tmp_path / "ddp"
+    _launch(sharded, "--distributed_type", "fsdp", script=TRAIN_TEXT_TO_IMAGE, run=run)
+    _launch(replicated, script=TRAIN_TEXT_TO_IMAGE, run=run)
+    assert _files(sharded) == _files(replicated)
+    unet = "unet/diffusion_pytorch_model.safetensors"
+    files = {f"checkpoint-4/{unet}": f"checkpoint-2/{unet}"}
+    files["ema_snapshots/phema-0000000004-0.100.safetensors"] = "ema_snapshots/phema-0000000002-0.100.safetensors"
+    _assert_same_training(sharded, replicated, files)
