@@ -165,6 +165,7 @@ def test_refusals_name_the_problem(tmp_path, capsys):
     )
     assert result.returncode == 2
     assert "--distributed_type fsdp shards the model over processes: launch 2 or more" in result.stderr
+    assert not (tmp_path / "single").exists()  # refused before anything is written
     # options that need whole parameters on one process
     script = load_script_module(TRAIN_UNCONDITIONAL)
     base = ["--output_dir", str(tmp_path / "refused"), *RUN, "--distributed_type", "fsdp"]

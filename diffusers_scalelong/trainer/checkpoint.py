@@ -5,8 +5,8 @@ sampler states), the trained models as diffusers folders (``unet/``, and for EDM
 ``unet/``, ``uncertainty/``, ``preconditioner_config.json``), each process's private RNG state, the EMA state and,
 written last, ``training_state.json``: a folder without it is incomplete. The record holds ``global_step``,
 ``num_processes``, ``distributed_type`` (``ddp`` or ``fsdp``: how the optimiser state is keyed), ``run_id`` (the
-training run that wrote it) and ``files``, the SHA-256 of every other file in the folder; :meth:`Checkpoint.verify` checks all of them before a resume (records written before ``run_id`` and
-``files`` existed are read unverified).
+training run that wrote it) and ``files``, the SHA-256 of every other file in the folder; :meth:`Checkpoint.verify`
+checks all of them before a resume (records written before ``run_id`` and ``files`` existed are read unverified).
 """
 
 import json

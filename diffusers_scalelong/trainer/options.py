@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import math
+import os
 
 from ..scalelong.coefficients import LSC_METHODS
 
@@ -300,6 +301,10 @@ def validate_training_args(args: argparse.Namespace) -> None:
                 + ", ".join(f"--{flag}" for flag in refused)
                 + " (use --ema_sigma_rels for EMA and --mixed_precision bf16)"
             )
+        if int(os.environ.get("WORLD_SIZE", "1")) < 2:  # set by torchrun and accelerate launch
+            from .sharding import NEEDS_PROCESSES
+
+            raise ValueError(NEEDS_PROCESSES)
     if args.mixed_precision == "fp16":
         import torch
 

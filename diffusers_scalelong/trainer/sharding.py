@@ -21,6 +21,10 @@ from torch.distributed.tensor import DTensor
 
 from ..layers import register_sharded_weight_projection
 
+NEEDS_PROCESSES = (
+    "--distributed_type fsdp shards the model over processes: launch 2 or more, e.g. torchrun --nproc_per_node 2 "
+    "or accelerate launch --multi_gpu --num_processes 2"
+)
 # Full (unsharded) tensors, on the CPU of the main process only: the form checkpoints are written in.
 FULL_ON_MAIN = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Full tensors given on the main process only (other processes pass {}), broadcast and cut into each one's shards.
@@ -107,10 +111,7 @@ class ShardedTraining:
 
     def __init__(self, module: nn.Module, unet: nn.Module, device: torch.device, is_main_process: bool, bf16: bool):
         if not dist.is_initialized() or dist.get_world_size() < 2:
-            raise ValueError(
-                "--distributed_type fsdp shards the model over processes: launch 2 or more, e.g. torchrun "
-                "--nproc_per_node 2 or accelerate launch --multi_gpu --num_processes 2"
-            )
+            raise ValueError(NEEDS_PROCESSES)
         unet_name = next(name for name, child in module.named_modules() if child is unet)
         self.copy = copy.deepcopy(module).cpu() if is_main_process else None
         self.unet_copy = self.copy.get_submodule(unet_name) if self.copy is not None else None
