@@ -17,6 +17,7 @@ from diffusers_scalelong.ema.cli import main as reconstruct_main
 from diffusers_scalelong.ema.reconstruct import read_reconstruction_record
 from diffusers_scalelong.integrity import IntegrityError, save_safetensors
 from diffusers_scalelong.trainer import Checkpoint
+from diffusers_scalelong.trainer.run_identity import LOCK_FILE
 
 RUN = [*TINY_UNET, "--diagnostics_every", 0, "--checkpointing_steps", 4, "--ema_sigma_rels", 0.05, 0.10]
 RUN += ["--snapshot_every", 2]
@@ -42,7 +43,9 @@ def _train_refused(output, capsys, *extra) -> str:
 
 
 def _tree(folder):
-    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    """``{relative path: bytes}`` of every file, but the lock file (each run that takes the lock records itself)."""
+    files = (path for path in folder.rglob("*") if path.is_file() and path.name != LOCK_FILE)
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in files}
 
 
 def _run_ids(output):
@@ -115,7 +118,7 @@ def test_a_fresh_run_refuses_another_runs_folder_and_changes_nothing(first_run, 
     assert _tree(output) == before
 
 
-def test_overwrite_output_dir_clears_the_earlier_run_first(first_run, second_run):
+def test_overwrite_output_dir_replaces_the_earlier_run(first_run, second_run):
     ids = _run_ids(second_run)
     assert sorted(ids) == [
         "checkpoint-4",
@@ -123,7 +126,7 @@ def test_overwrite_output_dir_clears_the_earlier_run_first(first_run, second_run
     ]
     (new_id,) = set(ids.values())
     assert new_id != _run_ids(first_run)["checkpoint-4"]
-    assert not list(second_run.glob(".discarded-*"))
+    assert not list(second_run.glob(".set-aside-*"))  # deleted once the new run wrote checkpoint-4
 
 
 def test_reconstruction_refuses_snapshots_of_two_runs(first_run, second_run, tmp_path, capsys):
