@@ -74,14 +74,89 @@ def test_layerwise_casting_stores_mpconv_weights_in_float8(lsc_method):
     assert (out - full).norm() / full.norm() < 0.15
 
 
-def test_layerwise_casting_refuses_training_mode_forwards():
-    model = tiny_unet()
-    model.enable_layerwise_casting(storage_dtype=FLOAT8, compute_dtype=torch.float32)
-    stored = model.conv_in.weight.clone()
+def stored_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's bytes as stored (float8 has no equality of its own)."""
+    return {name: p.detach().reshape(-1).clone().view(torch.uint8) for name, p in model.named_parameters()}
+
+
+# diffusers' test_layerwise_casting_training runs these (storage, compute) pairs; bfloat16 storage is added.
+TRAINING_DTYPES = [
+    (torch.float16, torch.float32),
+    (FLOAT8, torch.float32),
+    (torch.float8_e5m2, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (FLOAT8, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("storage_dtype, compute_dtype", TRAINING_DTYPES, ids=str)
+def test_layerwise_casting_training(storage_dtype, compute_dtype):
+    """diffusers' test, our version: a training forward and backward under layerwise casting, inputs in the compute
+    dtype, the loss under autocast; every weight gets a finite gradient (non-zero for MPConv weights) and keeps its stored bits."""
+    model = tiny_unet(lsc_method="ls")
+    with torch.no_grad():  # emb_gain = 0 at initialisation would leave the embedding projections without gradient
+        for block in [*model.encoder_blocks, *model.decoder_blocks]:
+            block.emb_gain.fill_(0.5)
+    model = model.to(compute_dtype)
+    model.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
     model.train()
-    with pytest.raises(RuntimeError, match="forced weight normalisation"):
-        model(*inputs())
-    assert torch.equal(model.conv_in.weight.view(torch.uint8), stored.view(torch.uint8))
+    before = stored_bits(model)
+    x, t, labels = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16):
+        out = model(x.to(compute_dtype), t, labels).sample
+        loss = torch.nn.functional.mse_loss(out, torch.randn(out.shape, generator=torch.manual_seed(1)).to(out))
+    loss.backward()
+    assert out.dtype == compute_dtype and torch.isfinite(loss)
+    mp_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, MPConv)}
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach().reshape(-1).view(torch.uint8), before[name]), name
+        assert param.grad is not None and torch.isfinite(param.grad.float()).all(), name
+        if name in layer_weights(model):  # MPConv weights and the LS gates' nn.Linear
+            assert param.dtype == storage_dtype, name
+        if name in mp_weights:
+            assert param.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("storage_dtype", [torch.bfloat16, torch.float16, FLOAT8], ids=str)
+def test_layerwise_casting_training_equals_full_precision_training_of_the_stored_values(storage_dtype):
+    """Independent reference: a float32 model holding the same (rounded) weights, trained the ordinary way (the
+    forced weight normalisation projects its stored weights in place). Outputs and every gradient are equal bit for
+    bit: the functional projection computes the same float32 values, and the gradient passes through it unchanged."""
+    model = tiny_unet(lsc_method="ls").train()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name in layer_weights(model):
+                param.copy_(param.to(storage_dtype).to(torch.float32))
+    model.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=torch.float32)
+    before = stored_bits(model)
+    x, t, labels = inputs()
+    outputs = []
+    for network in (model, reference):
+        out = network(x, t, labels).sample
+        out.square().mean().backward()
+        outputs.append(out)
+    assert torch.equal(*outputs)
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, grads[name]), name
+    assert all(torch.equal(p.detach().reshape(-1).view(torch.uint8), before[n]) for n, p in model.named_parameters())
+    # the reference did project its stored rows (unit RMS), the cast model left its own as they were
+    assert not torch.equal(reference.conv_in.weight, model.conv_in.weight.to(torch.float32))
+
+
+def test_learned_uncertainty_trains_under_layerwise_casting():
+    head = LearnedUncertainty(16).train()
+    reference = copy.deepcopy(head)
+    with torch.no_grad():
+        reference.linear.weight.copy_(reference.linear.weight.to(FLOAT8).to(torch.float32))
+    head.enable_layerwise_casting(storage_dtype=FLOAT8, compute_dtype=torch.float32)
+    c_noise = torch.linspace(-1, 1, 5)
+    head(c_noise).sum().backward()
+    reference(c_noise).sum().backward()
+    assert head.linear.weight.dtype == FLOAT8
+    assert torch.equal(head.linear.weight.grad, reference.linear.weight.grad)
+    assert head.linear.weight.grad.abs().sum() > 0
 
 
 def test_layerwise_casting_keeps_skip_patterns():

@@ -53,6 +53,19 @@ class _Normalize(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
+class _StraightThrough(torch.autograd.Function):
+    """``y = projected`` in the forward, ``dL/dx = dL/dy`` in the backward: a projection of ``x`` computed without
+    autograd whose gradient is handed to ``x`` unchanged, as if ``x`` had been overwritten by it."""
+
+    @staticmethod
+    def forward(ctx, x, projected):
+        return projected
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def _reduction_dims(x: torch.Tensor, dim: int | tuple[int, ...] | None) -> tuple[int, ...]:
     if dim is None:
         return tuple(range(1, x.ndim))
@@ -158,7 +171,10 @@ class MPConv(nn.Module):
     ``no_grad``) onto unit-RMS rows, ``w_o <- w_o / rms(w_o)``. The projection has no ``eps`` and is therefore
     idempotent: recomputing a forward (gradient checkpointing) leaves the stored weight as it is, and several
     training-mode forwards may precede one backward. In eval mode the stored weight is never modified - keep EMA
-    copies in eval mode.
+    copies in eval mode. With ``project_in_place = False`` (set by layerwise casting, whose storage dtype would round
+    the write) a training-mode forward computes the projection functionally instead: it uses ``w / rms(w)`` as the
+    stored weight and hands the gradient with respect to it to ``w`` unchanged (straight-through), so output and
+    gradient equal those of the in-place projection of the same stored values, which stay untouched.
 
     Weight cache for sampling: inside :func:`cached_weight_normalization`, eval-mode forwards without autograd
     reuse ``normalize(w) / sqrt(fan_in)`` (float32) until the stored weight's version counter, storage, dtype or
@@ -174,8 +190,17 @@ class MPConv(nn.Module):
         self.out_channels = out_channels
         self.weight = nn.Parameter(torch.randn(out_channels, in_channels, *kernel))
         self.weight_cache_enabled = False
+        self.project_in_place = True
         self._cached_weight: torch.Tensor | None = None
         self._cached_key: tuple | None = None
+
+    @torch.no_grad()
+    def _row_projection(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``w`` (the stored weight in float32), its rows' L2 norms ``||w_o||`` and ``rms(w_o)`` (clamped above 0)."""
+        w = self.weight.to(torch.float32)
+        norm = torch.linalg.vector_norm(w, dim=tuple(range(1, w.ndim)), keepdim=True)
+        rms = (norm / math.sqrt(math.prod(w.shape[1:]))).clamp_min(torch.finfo(torch.float32).tiny)
+        return w, norm, rms
 
     @torch.no_grad()
     def force_weight_normalization(self) -> torch.Tensor | None:
@@ -184,15 +209,20 @@ class MPConv(nn.Module):
         Returns the rows' L2 norms after the projection (float32, ``sqrt(fan_in)`` or 0 for an all-zero row) when
         the stored dtype holds the projected values exactly (float32, float64), else None.
         """
-        w = self.weight.to(torch.float32)
-        dims = tuple(range(1, w.ndim))
-        norm = torch.linalg.vector_norm(w, dim=dims, keepdim=True)
-        rms = (norm / math.sqrt(math.prod(w.shape[1:]))).clamp_min(torch.finfo(torch.float32).tiny)
+        w, norm, rms = self._row_projection()
         if self.weight.dtype == torch.float32:
             self.weight.div_(rms)  # the same rounding as w / rms, without a temporary
         else:
             self.weight.copy_(w / rms)
         return norm / rms if torch.finfo(self.weight.dtype).bits >= 32 else None
+
+    def _projected_unit_weight(self) -> torch.Tensor:
+        """``normalize(p) / sqrt(fan_in)`` of the projection ``p = w / rms(w)`` (float32, the stored weight left as
+        it is); the gradient with respect to ``p`` reaches ``w`` unchanged."""
+        w, norm, rms = self._row_projection()
+        projected = _StraightThrough.apply(self.weight, w / rms)
+        dims = tuple(range(1, w.ndim))
+        return _Normalize.apply(projected, dims, 1e-4, math.sqrt(math.prod(w.shape[1:])), norm / rms)
 
     def _unit_weight(self, norm: torch.Tensor | None = None) -> torch.Tensor:
         """``normalize(w) / sqrt(fan_in)`` in float32 (``norm``: the rows' known L2 norms)."""
@@ -218,8 +248,10 @@ class MPConv(nn.Module):
         return self._cached_weight
 
     def forward(self, x: torch.Tensor, gain: float | torch.Tensor = 1.0) -> torch.Tensor:
-        norm = self.force_weight_normalization() if self.training else None
-        w = self._scaled_unit_weight(norm)
+        if self.training and not self.project_in_place:
+            w = self._projected_unit_weight()
+        else:
+            w = self._scaled_unit_weight(self.force_weight_normalization() if self.training else None)
         if not (isinstance(gain, float | int) and gain == 1):
             w = w * gain
         w = w.to(x.dtype)

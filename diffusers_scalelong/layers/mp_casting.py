@@ -6,9 +6,10 @@ so a model whose weights live in ``MPConv`` would keep every weight in full prec
 casting as active) to every ``MPConv`` whose name no skip pattern matches. Storage dtype between forwards, compute
 dtype inside them: the forward normalises the weight in float32 as always, so only the stored values are rounded.
 
-Training-mode forwards are refused: MPConv's forced weight normalisation writes the stored weight in every
-training-mode forward, and with a low-precision storage dtype that write (and the optimiser's updates) would be
-rounded to the storage dtype each step.
+Training works too: MPConv's forced weight normalisation would write the projected weight into the compute-dtype
+copy, which the hook then rounds back to the storage dtype. A hooked layer projects functionally instead
+(``MPConv.project_in_place = False``): the forward uses ``w / rms(w)`` and the gradient reaches the stored weight,
+whose bits the forward leaves as they are.
 """
 
 import re
@@ -23,16 +24,12 @@ from .mp import MPConv
 
 
 class MPConvCastingHook(LayerwiseCastingHook):
-    """diffusers' ``LayerwiseCastingHook`` that refuses training-mode forwards (forced weight normalisation)."""
+    """diffusers' ``LayerwiseCastingHook`` for an ``MPConv``: the layer's training-mode forwards project its weight
+    functionally (``project_in_place = False``) rather than writing into the stored weight."""
 
-    def pre_forward(self, module: nn.Module, *args, **kwargs):
-        if module.training:
-            raise RuntimeError(
-                f"layerwise casting stores MPConv weights in {self.storage_dtype}, but a training-mode forward "
-                "rewrites them (forced weight normalisation) and would round them to that dtype: call .eval() for "
-                "inference, or train without enable_layerwise_casting"
-            )
-        return super().pre_forward(module, *args, **kwargs)
+    def initialize_hook(self, module: nn.Module) -> nn.Module:
+        module.project_in_place = False
+        return super().initialize_hook(module)
 
 
 def apply_mp_layerwise_casting(
