@@ -48,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {folder / 'app.py'}, requirements.txt and README.md")
             return 0
         source = source_from_args(args)
+        if args.sigma_rel is not None:  # an unreachable start is reported before the web server is imported
+            source.plan(args.sigma_rel, source.times[-1] if args.time is None else args.time)
         try:
             from .app import launch
         except ImportError as error:
