@@ -16,7 +16,7 @@ Importing the package imports its submodules, so that ``DiffusionPipeline.from_p
 finds the classes that ``model_index.json`` names by module path.
 """
 
-from . import edm2, ema, layers, models, pipelines, scalelong, schedulers  # noqa: E402
+from . import edm2, ema, hub, layers, models, pipelines, scalelong, schedulers  # noqa: E402
 from ._version import __version__  # noqa: F401  (the package version)
 from .edm2 import EDM2Loss, EDMPreconditioner, LearnedUncertainty, inverse_sqrt_lr_lambda  # noqa: E402
 from .ema import PowerFunctionEMA, list_snapshots, reconstruct_ema  # noqa: E402

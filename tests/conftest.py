@@ -11,5 +11,14 @@ def _seed_everything():
     yield
 
 
-# The `local_hub` fixture: a real Hub on 127.0.0.1 (olah + a push server), see tests/hub_server.py.
-from hub_server import local_hub  # noqa: E402, F401
+# The `local_hub` fixture: a real Hub on 127.0.0.1 (olah + a push server), see tests/hub_server.py; `hub_online`:
+# the test's Hub calls are online even where HF_HUB_OFFLINE=1 is exported.
+from hub_server import hub_online, local_hub  # noqa: E402, F401
+
+
+@pytest.fixture(autouse=True)
+def _online_with_the_local_hub(request):
+    """A test that talks to the local Hub does so online, and leaves HF_HUB_OFFLINE as it found it."""
+    if "local_hub" in request.fixturenames:
+        request.getfixturevalue("hub_online")
+    yield

@@ -579,6 +579,19 @@ if pytest is not None:
         finally:
             stop_local_hub(hub)
 
+    @pytest.fixture
+    def hub_online(monkeypatch) -> None:
+        """This test's own Hub calls are online whatever ``HF_HUB_OFFLINE`` says (offline CI machines export it).
+
+        ``huggingface_hub`` reads the variable once, at import, into ``constants.HF_HUB_OFFLINE``: both are set here
+        and restored by ``monkeypatch`` when the test ends. Subprocesses get ``HF_HUB_OFFLINE=0`` from
+        :meth:`LocalHub.env`. conftest.py applies this to every test that uses ``local_hub``.
+        """
+        from huggingface_hub import constants
+
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a local Hugging Face Hub (olah for reads, git for writes).")

@@ -13,6 +13,9 @@ from diffusers_scalelong.ema.hub_transfer import list_remote_snapshots, pull_sna
 from diffusers_scalelong.hub import HubAccessError, check_hub_access, push_pipeline_to_hub
 from tests._tiny_models import TINY_UNET as TINY_UNET_CONFIG
 
+# Every test here makes real Hub calls (to an endpoint that does not answer, or to the local Hub): online mode.
+pytestmark = pytest.mark.usefixtures("hub_online")
+
 
 @pytest.fixture
 def unreachable() -> str:

@@ -1,9 +1,10 @@
-"""One install line for the unpublished package: every card and every Hub shim file gives INSTALL, and a shim run
-without the package installed fails with it."""
+"""One install line, ``pip install diffusers-scalelong``: every card and every Hub shim file gives it, the package
+metadata names the project URL the cards link to, and a shim run without the package installed fails with it."""
 
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -11,14 +12,13 @@ from diffusers import EDMEulerScheduler
 from huggingface_hub import ModelCardData
 
 from diffusers_scalelong.hub import build_card, model_card, write_hub_layout
-from diffusers_scalelong.hub.cards import INSTALL
-from diffusers_scalelong.hub.layout import render_shim
+from diffusers_scalelong.hub.cards import INSTALL, PROJECT_URL
+from diffusers_scalelong.hub.shims import render_shim
 from diffusers_scalelong.models import EDM2UNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline
 from tests._tiny_models import TINY_EDM2_UNET
 
 ROOT = Path(__file__).resolve().parent.parent
-UNPUBLISHED = "pip install diffusers-scalelong"
 # Run before anything else in the subprocess: an import of the package then fails as if it were not installed.
 HIDE_PACKAGE = "import sys; sys.modules['diffusers_scalelong'] = None\n"
 
@@ -27,16 +27,18 @@ def pipeline() -> EDM2Pipeline:
     return EDM2Pipeline(unet=EDM2UNet2DModel(**TINY_EDM2_UNET), scheduler=EDMEulerScheduler())
 
 
-def test_no_source_file_names_the_unpublished_package():
-    files = [*(ROOT / "diffusers_scalelong").rglob("*.py"), *(ROOT / "pipelines").glob("*.py")]
-    assert [str(path) for path in files if UNPUBLISHED in path.read_text(encoding="utf-8")] == []
+def test_install_line_names_the_distribution_and_its_metadata_the_project_url():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert INSTALL == f"pip install {project['name']}"
+    assert PROJECT_URL in project["urls"].values()
 
 
-def test_cards_give_the_install_line():
-    assert "diffusers-scalelong" not in INSTALL.split("#")[0] and INSTALL.startswith("pip install ")
-    card = str(model_card(pipeline(), "user/edm2"))
-    assert f"```bash\n{INSTALL}\n```" in card and UNPUBLISHED not in card
-    assert INSTALL in str(build_card(ModelCardData(), "title", "summary", "code"))
+def test_cards_give_the_install_line_and_the_project_url():
+    for card in (
+        str(model_card(pipeline(), "user/edm2")),
+        str(build_card(ModelCardData(), "title", "summary", "code")),
+    ):
+        assert f"```bash\n{INSTALL}\n```" in card and PROJECT_URL in card
 
 
 @pytest.mark.parametrize("shim", ["edm2_pipeline", "diffusers_scalelong_components"])

@@ -15,9 +15,10 @@ import torch
 from diffusers import DDPMPipeline, DDPMScheduler
 from huggingface_hub import hf_hub_download
 
-from diffusers_scalelong.hub.layout import render_shim
+from diffusers_scalelong.hub import push_pipeline_to_hub, write_hub_layout
+from diffusers_scalelong.hub.shims import render_shim
 from diffusers_scalelong.models import ScaleLongUNet2DModel
-from diffusers_scalelong.pipelines import EDM2Pipeline, push_pipeline_to_hub, write_hub_layout
+from diffusers_scalelong.pipelines import EDM2Pipeline
 from diffusers_scalelong.schedulers import EDMHeunScheduler
 from tests._exact import REALIGN_SOURCE, one_thread
 from tests._tiny_models import TINY_UNET
@@ -113,6 +114,8 @@ def test_write_hub_layout_copies_shims_and_rewrites_index(tmp_path):
     for component in ("unet", "scheduler"):
         shim = tmp_path / "edm2" / component / "diffusers_scalelong_components.py"
         assert shim.read_text() == render_shim("diffusers_scalelong_components")
+    unet_config = json.loads((tmp_path / "edm2" / "unet" / "config.json").read_text())
+    assert unet_config["auto_map"] == {"AutoModel": "diffusers_scalelong_components.ScaleLongUNet2DModel"}
     assert not (tmp_path / "edm2" / "vae").exists()
 
     DDPMPipeline(unet=scalelong_unet(), scheduler=DDPMScheduler()).save_pretrained(tmp_path / "ddpm")
@@ -155,29 +158,40 @@ def test_local_layout_and_custom_pipeline_file_load_in_fresh_process(tmp_path):
 def test_push_to_local_hub_and_load_by_repo_id(local_hub, tmp_path):
     pipe = edm2_pipe()
     reference_images(pipe, tmp_path / "edm2.npy")
-    commit = pipe.push_to_hub(
-        "tester/edm2-pipe", endpoint=local_hub.endpoint, ema_sigma_rel=0.1, sampler_settings={"num_inference_steps": 32}
-    )
+    commit = push_pipeline_to_hub(
+        pipe, "tester/edm2-pipe", endpoint=local_hub.endpoint, ema_sigma_rel=0.1,
+        sampler_settings={"num_inference_steps": 32}, dataset="fashion_mnist", base_model="tester/edm2-base",
+    )  # fmt: skip
     assert "tester/edm2-pipe" in commit
     ddpm = DDPMPipeline(unet=scalelong_unet(), scheduler=DDPMScheduler(num_train_timesteps=50))
     reference_images(ddpm, tmp_path / "ddpm.npy")
-    push_pipeline_to_hub(ddpm, "tester/ddpm-scalelong", endpoint=local_hub.endpoint)
+    push_pipeline_to_hub(ddpm, "tester/ddpm-scalelong", endpoint=local_hub.endpoint, ema=False, license="mit")
 
-    card = Path(
-        hf_hub_download(
-            "tester/edm2-pipe", "README.md", revision="main", endpoint=local_hub.endpoint, cache_dir=tmp_path / "cards"
-        )
-    ).read_text()
+    def card(repo_id: str) -> str:
+        return Path(
+            hf_hub_download(repo_id, "README.md", revision="main", endpoint=local_hub.endpoint,
+                            cache_dir=tmp_path / "cards")
+        ).read_text()  # fmt: skip
+
+    edm2_card, ddpm_card = card("tester/edm2-pipe"), card("tester/ddpm-scalelong")
     for text in (
         "library_name: diffusers",
+        "license: apache-2.0",  # the package's, when none is given
+        "datasets:\n- fashion_mnist",
+        "base_model: tester/edm2-base",
+        "- diffusers-scalelong",
         "- edm2",
         "- scalelong",
+        "- ema",
+        "pip install diffusers-scalelong",
         "trust_remote_code=True",
-        "sigma_rel = 0.1",
+        "relative length sigma_rel = 0.1",
         "| num_inference_steps | 32 |",
         "| S_churn | 2.0 |",
     ):
-        assert text in card
+        assert text in edm2_card, text
+    assert "license: mit" in ddpm_card and "The weights are the raw training weights (no EMA)." in ddpm_card
+    assert "- ema" not in ddpm_card and "datasets" not in ddpm_card and "base_model" not in ddpm_card
 
     results = run_loader(
         f"""

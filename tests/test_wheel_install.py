@@ -10,11 +10,12 @@ import os
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from diffusers_scalelong.hub.cards import INSTALL
+from diffusers_scalelong.hub.cards import INSTALL, PROJECT_URL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +35,9 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     run(["git", "clone", "--quiet", ROOT, source], tmp_path, 300)
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist, source], tmp_path, 600)
     (wheel,) = dist.glob("diffusers_scalelong-*.whl")
-    assert f"pip install {wheel.name}" in INSTALL  # the install line of the cards names the file pip wheel writes
+    metadata = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info/METADATA")
+    assert f"Name: {INSTALL.split()[-1]}" in metadata.decode()  # the cards' install line names this distribution
+    assert f"Project-URL: Homepage, {PROJECT_URL}" in metadata.decode()  # and the cards' project URL is its own
     venv.create(environment, with_pip=True, system_site_packages=False)
     bin_dir = environment / "bin"
     local_torch = sorted(Path(os.environ.get("PIP_FIND_LINKS", "/nonexistent")).glob("torch-*.whl"))

@@ -4,14 +4,14 @@ import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 
-from ..hub.auto_model import AutoModelFilesMixin
+from ..layers.legacy_config import LegacyAutoMapMixin
 from ..layers.mp import MPConv, MPFourier
 from ..layers.mp_casting import MPLayerwiseCastingMixin
 
 __all__ = ["LearnedUncertainty", "ModelMixin"]
 
 
-class LearnedUncertainty(AutoModelFilesMixin, MPLayerwiseCastingMixin, ModelMixin, ConfigMixin):
+class LearnedUncertainty(LegacyAutoMapMixin, MPLayerwiseCastingMixin, ModelMixin, ConfigMixin):
     """Log-variance head ``u(sigma) = MPConv(C -> 1)(MPFourier(C)(c_noise))`` with ``c_noise = ln(sigma) / 4``.
 
     ``exp(u(sigma))`` learns the expected EDM-weighted error at noise level sigma; the loss divides by it, which

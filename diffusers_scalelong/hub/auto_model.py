@@ -1,40 +1,52 @@
-"""Saved model folders that diffusers' ``AutoModel`` loads without this package imported.
+"""A saved model folder that diffusers' ``AutoModel`` loads with ``trust_remote_code=True``, on request only.
 
 diffusers' ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` reads ``config.json``'s
 ``auto_map = {"AutoModel": "<module file>.<Class>"}`` and imports ``<module file>.py`` from the folder (diffusers'
-own ``register_for_auto_class`` writes the same key, naming the class's module). ``save_pretrained`` of this
-package's models therefore writes the component shim file (it imports the installed package, or fails with the
-install line) beside the weights and points ``auto_map`` at it.
+own ``register_for_auto_class`` writes the same key). :func:`write_auto_model_files` adds both to a folder written by
+``save_pretrained``: the component shim file (it imports the installed package, or fails with the install line) and
+``auto_map`` naming it. ``save_pretrained`` itself writes no code; the models drop ``auto_map`` when they load.
 """
 
+from __future__ import annotations
+
+import ast
 import json
 import os
 from pathlib import Path
 
 from ..atomic import atomic_write_text
-from .layout import COMPONENT_SHIM, render_shim
+from .shims import COMPONENT_SHIM, render_shim, shim_folder
 
 AUTO_MAP_KEY = "auto_map"
 
 
-class AutoModelFilesMixin:
-    """``save_pretrained`` that adds ``auto_map`` and the component shim file; loading ignores ``auto_map``.
+def shim_class_names() -> tuple[str, ...]:
+    """The classes the component shim file re-exports (its ``__all__``)."""
+    tree = ast.parse((shim_folder() / f"{COMPONENT_SHIM}.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise ValueError(f"{COMPONENT_SHIM}.py has no __all__")
 
-    Put this mixin before ``ModelMixin`` in the bases.
+
+def write_auto_model_files(folder: str | os.PathLike) -> dict:
+    """Add ``auto_map`` and the component shim file to a model folder written by ``save_pretrained``.
+
+    Returns the new ``config.json`` content. Raises ``ValueError`` when ``folder`` holds no ``config.json`` of one of
+    the package's model classes.
     """
-
-    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if not kwargs.get("is_main_process", True):
-            return
-        folder = Path(save_directory)
-        config_path = folder / "config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        config[AUTO_MAP_KEY] = {"AutoModel": f"{COMPONENT_SHIM}.{type(self).__name__}"}
-        atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-        atomic_write_text(folder / f"{COMPONENT_SHIM}.py", render_shim(COMPONENT_SHIM))
-
-    @classmethod
-    def extract_init_dict(cls, config_dict: dict, **kwargs):
-        """diffusers' ``extract_init_dict`` without ``auto_map`` (a loading hint, not a constructor argument)."""
-        return super().extract_init_dict({k: v for k, v in config_dict.items() if k != AUTO_MAP_KEY}, **kwargs)
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"folder {str(folder)!r} has no config.json: save the model with save_pretrained first")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    class_name = config.get("_class_name")
+    if class_name not in shim_class_names():
+        raise ValueError(
+            f"folder {str(folder)!r} holds a {class_name}, not a model of diffusers_scalelong "
+            f"({', '.join(shim_class_names())})"
+        )
+    config[AUTO_MAP_KEY] = {"AutoModel": f"{COMPONENT_SHIM}.{class_name}"}
+    atomic_write_text(folder / f"{COMPONENT_SHIM}.py", render_shim(COMPONENT_SHIM))
+    atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config

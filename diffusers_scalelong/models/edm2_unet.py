@@ -16,7 +16,7 @@ from diffusers.models.unets.unet_2d import UNet2DOutput
 from torch import nn
 
 from ..edm2.presets import EDM2_PRESETS, EDM2Preset, get_edm2_preset
-from ..hub.auto_model import AutoModelFilesMixin
+from ..layers.legacy_config import LegacyAutoMapMixin
 from ..layers.mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
 from ..layers.mp_casting import MPLayerwiseCastingMixin
 from ..scalelong.loading import LongSkipScalingLoaderMixin
@@ -28,7 +28,7 @@ __all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel"]
 
 
 class EDM2UNet2DModel(
-    AutoModelFilesMixin, LongSkipScalingLoaderMixin, MPLayerwiseCastingMixin, ModelMixin, ConfigMixin
+    LegacyAutoMapMixin, LongSkipScalingLoaderMixin, MPLayerwiseCastingMixin, ModelMixin, ConfigMixin
 ):
     """EDM2 magnitude-preserving UNet, the raw network ``F(c_in x, c_noise, class_labels) -> UNet2DOutput``.
 

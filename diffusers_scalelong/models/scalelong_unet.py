@@ -10,7 +10,7 @@ from diffusers import UNet2DConditionModel, UNet2DModel
 from diffusers.configuration_utils import register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 
-from ..hub.auto_model import AutoModelFilesMixin
+from ..layers.legacy_config import LegacyAutoMapMixin
 from ..scalelong.conv_hooks import install_conv_lsc
 from ..scalelong.loading import LongSkipScalingLoaderMixin
 from ..scalelong.skips import LongSkipLayout, conv_long_skip_layout
@@ -25,7 +25,7 @@ class ConvLongSkipsMixin:
         return conv_long_skip_layout(self)
 
 
-class ScaleLongUNet2DModel(AutoModelFilesMixin, ConvLongSkipsMixin, LongSkipScalingLoaderMixin, UNet2DModel):
+class ScaleLongUNet2DModel(LegacyAutoMapMixin, ConvLongSkipsMixin, LongSkipScalingLoaderMixin, UNet2DModel):
     """``UNet2DModel`` whose long skips are scaled by ``lsc_method`` (see ``diffusers_scalelong.scalelong``)."""
 
     @register_to_config
@@ -97,7 +97,7 @@ class ScaleLongUNet2DModel(AutoModelFilesMixin, ConvLongSkipsMixin, LongSkipScal
 
 
 class ScaleLongUNet2DConditionModel(
-    AutoModelFilesMixin, ConvLongSkipsMixin, LongSkipScalingLoaderMixin, UNet2DConditionModel
+    LegacyAutoMapMixin, ConvLongSkipsMixin, LongSkipScalingLoaderMixin, UNet2DConditionModel
 ):
     """``UNet2DConditionModel`` whose long skips are scaled by ``lsc_method``; ControlNet residuals are added to the
     skips before they are scaled (the UNet adds them to ``down_block_res_samples``)."""

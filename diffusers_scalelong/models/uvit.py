@@ -20,7 +20,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.unets.unet_2d import UNet2DOutput
 from torch import nn
 
-from ..hub.auto_model import AutoModelFilesMixin
+from ..layers.legacy_config import LegacyAutoMapMixin
 from ..scalelong.loading import LongSkipScalingLoaderMixin
 from ..scalelong.scaling import LongSkipScaling
 from ..scalelong.skips import LongSkip, LongSkipLayout
@@ -70,7 +70,7 @@ class UViTBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class UViT2DModel(AutoModelFilesMixin, LongSkipScalingLoaderMixin, ModelMixin, ConfigMixin):
+class UViT2DModel(LegacyAutoMapMixin, LongSkipScalingLoaderMixin, ModelMixin, ConfigMixin):
     """U-ViT noise-prediction network; ``forward(sample, timestep, class_labels)`` returns ``UNet2DOutput``.
 
     Defaults are the CIFAR-10 U-ViT-S/2 of the official ScaleLong recipe (embed 512, depth 12, 8 heads).

@@ -233,40 +233,6 @@ class EDM2Pipeline(DiffusionPipeline):
                 f"DiffusionPipeline.from_pretrained({str(pretrained_model_name_or_path)!r}, trust_remote_code=True)."
             ) from error
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        commit_message: str | None = None,
-        private: bool | None = None,
-        token: str | None = None,
-        create_pr: bool = False,
-        safe_serialization: bool = True,
-        variant: str | None = None,
-        endpoint: str | None = None,
-        ema_sigma_rel: float | None = None,
-        sampler_settings: dict | None = None,
-        dataset: str | None = None,
-    ) -> str:
-        """Upload in the Hub-native layout (see `push_pipeline_to_hub`), loadable by repo id with
-        ``DiffusionPipeline.from_pretrained(repo_id, trust_remote_code=True)``; returns the commit URL."""
-        if create_pr:
-            raise ValueError("create_pr is not supported: push_to_hub commits to the main branch")
-        from ..hub.layout import push_pipeline_to_hub
-
-        return push_pipeline_to_hub(
-            self,
-            repo_id,
-            commit_message=commit_message or "Upload EDM2Pipeline",
-            private=private,
-            token=token,
-            endpoint=endpoint,
-            ema_sigma_rel=ema_sigma_rel,
-            sampler_settings=sampler_settings,
-            dataset=dataset,
-            safe_serialization=safe_serialization,
-            variant=variant,
-        )
-
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def __call__(
