@@ -17,7 +17,8 @@ from diffusers_scalelong import (
 from diffusers_scalelong.validation import check_number
 
 TINY = dict(
-    sample_size=8, in_channels=1, model_channels=8, channel_mult=(1,), layers_per_block=1, attention_resolutions=()
+    sample_size=8, in_channels=1, model_channels=8, channel_mult=(1,), layers_per_block=1, attention_resolutions=(),
+    channels_per_head=8,
 )
 
 
@@ -29,7 +30,7 @@ TINY = dict(
         (lambda: EDM2UNet2DModel(**TINY, dropout=2.0), r"dropout must lie in \[0, 1\)"),
         (lambda: EDM2UNet2DModel(**TINY, num_class_embeds=-1), "num_class_embeds must be None or an integer >= 1"),
         (lambda: EDM2Loss(P_mean=math.nan), "P_mean must be a finite number"),
-        (lambda: EDM2Loss(P_std=0.0), r"P_std must lie in \(0, inf\)"),
+        (lambda: EDM2Loss(P_std=0.0), r"P_std must lie in \(0, 6\.9"),
         (lambda: EDMHeunScheduler(rho=0), r"rho must lie in \(0, inf\)"),
         (lambda: EDMHeunScheduler(S_churn=math.nan), "S_churn must be a finite number"),
         (lambda: EDMHeunScheduler(sigma_max=math.inf), "sigma_max must be a finite number"),

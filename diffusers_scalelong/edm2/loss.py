@@ -1,13 +1,17 @@
 """The EDM2 training loss with learned uncertainty (Karras et al., arXiv 2312.02696, Eqs. 14-16 and 21)."""
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from ..validation import check_number
+from ..validation import SIGMA_RANGE, check_number, check_sigma
 from .precond import EDMPreconditioner
 
 __all__ = ["EDM2Loss", "EDM2LossOutput"]
+
+#: A standard normal draw lies within +-DRAW_Z but for 2e-9 of draws: the range P_mean and P_std must keep in bounds.
+DRAW_Z = 6.0
 
 
 @dataclass
@@ -38,13 +42,17 @@ class EDM2Loss:
     """
 
     def __init__(self, P_mean: float = -0.4, P_std: float = 1.0, sigma_data: float | None = None):
-        check_number("P_mean", P_mean)
-        check_number("P_std", P_std, 0.0, low_inclusive=False)
-        if sigma_data is not None and not sigma_data > 0:
-            raise ValueError(f"sigma_data must be positive, got {sigma_data}")
+        log_range = math.log(SIGMA_RANGE[1])
+        check_number("P_mean", P_mean, -log_range, log_range)
+        check_number("P_std", P_std, 0.0, log_range / DRAW_Z, low_inclusive=False)
+        if abs(P_mean) + DRAW_Z * P_std > log_range:
+            raise ValueError(
+                f"P_mean={P_mean} and P_std={P_std} draw noise levels exp(P_mean +- {DRAW_Z:g} P_std) beyond "
+                f"[{SIGMA_RANGE[0]:g}, {SIGMA_RANGE[1]:g}], where the preconditioning leaves float32's range"
+            )
         self.P_mean = float(P_mean)
         self.P_std = float(P_std)
-        self.sigma_data = sigma_data
+        self.sigma_data = None if sigma_data is None else check_sigma("sigma_data", sigma_data)
 
     def sample_sigma(
         self, batch_size: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
@@ -61,10 +69,15 @@ class EDM2Loss:
         sigma: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> EDM2LossOutput:
-        """Loss of ``denoiser`` on clean ``images`` (sigma drawn unless given; noise from ``generator``)."""
+        """Loss of ``denoiser`` on clean ``images`` [B, C, H, W] (sigma drawn unless given, one value or one per
+        image, each in ``SIGMA_RANGE``; noise from ``generator``)."""
+        if not isinstance(images, torch.Tensor) or images.ndim != 4 or not images.is_floating_point():
+            raise ValueError(f"images must be a float tensor [B, C, H, W], got {_describe(images)}")
         y = images.to(torch.float32)
         if sigma is None:
             sigma = self.sample_sigma(y.shape[0], y.device, generator)
+        else:
+            sigma = _check_given_sigma(sigma, y.shape[0])
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=y.device).reshape(-1).expand(y.shape[0])
         s = sigma.reshape(-1, 1, 1, 1)
         sd = self.sigma_data if self.sigma_data is not None else getattr(denoiser, "sigma_data", None)
@@ -85,3 +98,21 @@ class EDM2Loss:
             sigma=sigma.detach(),
             logvar=logvar.detach().flatten(),
         )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return repr(value)
+
+
+def _check_given_sigma(sigma: torch.Tensor | float, batch_size: int) -> torch.Tensor:
+    """``sigma`` as a float32 tensor of 1 or ``batch_size`` values, each a noise level in ``SIGMA_RANGE``."""
+    values = torch.as_tensor(sigma).detach()
+    if values.is_complex() or values.dtype == torch.bool or values.numel() not in (1, batch_size):
+        raise ValueError(f"sigma must hold 1 or {batch_size} (the batch size) real values, got {_describe(sigma)}")
+    values = values.to(torch.float32)
+    low, high = SIGMA_RANGE
+    if not bool(((values >= low) & (values <= high)).all()):  # also refuses NaN
+        raise ValueError(f"sigma must lie in [{low:g}, {high:g}], got {values.flatten().tolist()[:8]}")
+    return sigma

@@ -26,8 +26,12 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..validation import check_number
+from ..validation import check_count, check_number, check_sigma
 from .edm_preconditioning import edm_c_in, edm_c_noise, edm_c_out, edm_c_skip
+
+#: Most steps of a schedule: 100x the 1000 of diffusers' ``num_train_timesteps``. Every step is a network evaluation,
+#: and steps are found by their float32 c_noise value, which must differ from the neighbours' (checked as well).
+MAX_STEPS = 100_000
 
 
 @dataclass
@@ -116,12 +120,13 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
             raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
         if final_sigmas_type != "zero":
             raise ValueError(f"final_sigmas_type must be 'zero' for the EDM Heun sampler, got {final_sigmas_type!r}")
-        check_number("sigma_min", sigma_min, 0.0, low_inclusive=False)
-        check_number("sigma_max", sigma_max)
+        check_sigma("sigma_min", sigma_min)
+        check_sigma("sigma_max", sigma_max)
         if sigma_min >= sigma_max:
             raise ValueError(f"need sigma_min < sigma_max, got sigma_min={sigma_min}, sigma_max={sigma_max}")
-        check_number("sigma_data", sigma_data, 0.0, low_inclusive=False)
+        check_sigma("sigma_data", sigma_data)
         check_number("rho", rho, 0.0, low_inclusive=False)
+        check_count("num_train_timesteps", num_train_timesteps, 1, MAX_STEPS)
         check_number("S_churn", S_churn, 0.0)
         check_number("S_noise", S_noise, 0.0)
         check_number("S_min", S_min, 0.0)
@@ -160,10 +165,10 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
         `sigmas` holds the sigma of every evaluation followed by the final ``t_N = 0``; `timesteps` holds the
         matching c_noise values ``ln(sigma) / 4`` (float32, on `device`).
         """
-        if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be a positive integer, got {num_inference_steps!r}")
-        self.num_inference_steps = num_inference_steps
+        num_inference_steps = check_count("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
         t = self.step_sigmas(num_inference_steps)
+        self._check_schedule(t)
+        self.num_inference_steps = num_inference_steps
         t_hat = t[:-1] * (1 + self.churn_gammas(t))
         evaluations = [t_hat[0]]
         for i in range(1, num_inference_steps):
@@ -175,6 +180,22 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
         self._step_index = None
         self._begin_index = None
         self._clear_heun_state()
+
+    def _check_schedule(self, t: torch.Tensor) -> None:
+        """The step boundaries must be finite and strictly decreasing in float32, and so must their c_noise values
+        (`step` finds its place by value)."""
+        levels = t[:-1]
+        if not torch.isfinite(levels).all() or not (levels > 0).all():
+            raise ValueError(
+                f"rho={self.config.rho} with sigma_min={self.config.sigma_min}, sigma_max={self.config.sigma_max} "
+                "gives a schedule that leaves float64's range; choose rho nearer EDM's 7"
+            )
+        c_noise = self.precondition_noise(levels).to(torch.float32)
+        if len(levels) > 1 and not (c_noise[1:] < c_noise[:-1]).all():
+            raise ValueError(
+                f"num_inference_steps={len(levels)} is too many for sigma_min={self.config.sigma_min}, "
+                f"sigma_max={self.config.sigma_max}: neighbouring steps get the same float32 timestep"
+            )
 
     @property
     def init_noise_sigma(self) -> float:
@@ -245,6 +266,22 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
     def _init_step_index(self, timestep: float | torch.Tensor) -> None:
         self._step_index = self.index_for_timestep(timestep) if self._begin_index is None else self._begin_index
 
+    def _check_current_timestep(self, timestep: float | torch.Tensor, k: int) -> None:
+        """``timestep`` must be entry ``k`` of `timesteps` (the entries are stepped in order, each once)."""
+        if k >= len(self.timesteps):
+            raise ValueError(
+                f"all {len(self.timesteps)} entries of `timesteps` have been stepped; call set_timesteps() to sample "
+                "again"
+            )
+        expected = self.timesteps[k]
+        if isinstance(timestep, torch.Tensor) and timestep.data_ptr() == expected.data_ptr():
+            return  # the entry itself, as a loop over `timesteps` passes it: no device synchronisation
+        if float(timestep) != float(expected):
+            raise ValueError(
+                f"timestep {float(timestep)} is not the scheduler's next entry timesteps[{k}] = {float(expected)}: "
+                "step() must follow `timesteps` in order, one call per entry (set_timesteps() restarts)"
+            )
+
     # ------------------------------------------------------------------ sampling
     def step(
         self,
@@ -268,9 +305,17 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
                 "EDMHeunScheduler.step() takes an entry of `scheduler.timesteps` (a float c_noise value), "
                 f"not an integer index; got {timestep!r}"
             )
+        if not isinstance(model_output, torch.Tensor) or not isinstance(sample, torch.Tensor):
+            raise ValueError("model_output and sample must be tensors")
+        if model_output.shape != sample.shape:
+            raise ValueError(
+                f"model_output has shape {list(model_output.shape)}, but sample has shape {list(sample.shape)}: "
+                "pass the network's output for this sample"
+            )
         if self._step_index is None:
             self._init_step_index(timestep)
         k = self._step_index
+        self._check_current_timestep(timestep, k)
         sample = sample.to(torch.float32)
         sigma, sigma_next = self.sigmas[k], self.sigmas[k + 1]
         denoised = self.precondition_outputs(sample, model_output.to(torch.float32), sigma)
@@ -296,6 +341,15 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
 
     def add_noise(self, original_samples: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """``x + sigma n`` with ``sigma = exp(4 c_noise)`` for each c_noise value in `timesteps` (one per sample)."""
+        if noise.shape != original_samples.shape:
+            raise ValueError(
+                f"noise has shape {list(noise.shape)}, original_samples {list(original_samples.shape)}: they must match"
+            )
+        if timesteps.numel() not in (1, original_samples.shape[0]):
+            raise ValueError(
+                f"timesteps has {timesteps.numel()} values for {original_samples.shape[0]} samples: give 1 or one per "
+                "sample"
+            )
         sigma = torch.exp(4.0 * timesteps.to(device=original_samples.device, dtype=torch.float32))
         sigma = sigma.reshape(-1, *([1] * (original_samples.ndim - 1))).to(original_samples.dtype)
         return original_samples + noise * sigma
