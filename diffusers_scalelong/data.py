@@ -68,48 +68,85 @@ _EMBEDDED_FOLDER = ("assets", "fashion_mnist")  # inside the diffusers_scalelong
 # IDX files
 
 
-def _read_bytes(path: Path | Traversable) -> bytes:
-    """Read a file, transparently decompressing gzip (``.gz`` or gzip magic), with errors that name the file."""
+_MAX_IDX_BYTES = 1 << 28
+"""Largest IDX payload read (256 MiB): 5x the largest Fashion-MNIST file (train images, 47,040,016 bytes)."""
+_CHUNK = 1 << 20
+
+
+def _read_idx(path: Path | Traversable, expected_magic: int) -> np.ndarray:
+    """Read an IDX file of unsigned bytes (``00 00 08 ndim``, ``ndim`` big-endian uint32 sizes, data), plain or
+    gzip (``.gz`` or gzip magic), streaming: the header is read first, the size it declares is checked against
+    ``_MAX_IDX_BYTES`` before anything is allocated, and exactly that many bytes (plus one, to see that the file
+    ends there) are decompressed, so a small gzip that inflates to gigabytes is refused after inflating at most the
+    declared size. Errors name the file."""
+    source = str(path)
     try:
-        raw = path.read_bytes()
+        stream = path.open("rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"Dataset file not found: {path}") from None
-    if raw[:2] == b"\x1f\x8b":
+    with stream:
+        compressed = stream.read(2) == b"\x1f\x8b"
+        stream.seek(0)
+        if not compressed and source.endswith(".gz"):
+            raise ValueError(f"{path}: not a gzip file although its name ends in .gz")
+        reader = gzip.GzipFile(fileobj=stream, mode="rb") if compressed else stream
         try:
-            return gzip.decompress(raw)
+            return _parse_idx_stream(reader, expected_magic, source)
         except (OSError, EOFError, zlib.error) as error:
+            if not compressed:
+                raise
             raise ValueError(f"{path}: corrupt or truncated gzip data ({error})") from None
-    if str(path).endswith(".gz"):
-        raise ValueError(f"{path}: not a gzip file although its name ends in .gz")
-    return raw
 
 
-def _parse_idx(data: bytes, expected_magic: int, source: str) -> np.ndarray:
-    """Parse an IDX file of unsigned bytes: 4-byte magic ``00 00 08 ndim``, ``ndim`` big-endian uint32 sizes, data."""
-    if len(data) < 4:
-        raise ValueError(f"{source}: too short to be an IDX file ({len(data)} bytes)")
-    (magic,) = struct.unpack(">I", data[:4])
+def _read_exactly(stream, size: int) -> bytearray:
+    """Up to ``size`` bytes of ``stream`` (fewer only at its end), read in chunks into one preallocated buffer."""
+    buffer = bytearray(size)
+    view, filled = memoryview(buffer), 0
+    while filled < size:
+        chunk = stream.read(min(_CHUNK, size - filled))
+        if not chunk:
+            break
+        view[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    view.release()
+    del buffer[filled:]
+    return buffer
+
+
+def _parse_idx_stream(stream, expected_magic: int, source: str) -> np.ndarray:
+    head = _read_exactly(stream, 4)
+    if len(head) < 4:
+        raise ValueError(f"{source}: too short to be an IDX file ({len(head)} bytes)")
+    (magic,) = struct.unpack(">I", head)
     if magic != expected_magic:
         raise ValueError(
             f"{source}: not an IDX file of the expected kind (magic number {magic:#010x}, expected {expected_magic:#010x})"
         )
     ndim = magic & 0xFF
-    header_size = 4 + 4 * ndim
-    if len(data) < header_size:
+    dims = _read_exactly(stream, 4 * ndim)
+    if len(dims) < 4 * ndim:
         raise ValueError(f"{source}: truncated IDX header")
-    shape = struct.unpack(f">{ndim}I", data[4:header_size])
-    expected_size = header_size + int(np.prod(shape))
-    if len(data) != expected_size:
+    shape = struct.unpack(f">{ndim}I", dims)
+    header_size = 4 + 4 * ndim
+    payload_size = int(np.prod(shape, dtype=np.int64))  # < 2**96: no overflow for 3 dims of 2**32
+    if payload_size > _MAX_IDX_BYTES:
         raise ValueError(
-            f"{source}: size {len(data)} bytes does not match its header (shape {shape} needs {expected_size} bytes); "
-            "the file is truncated or corrupt"
+            f"{source}: its header declares shape {shape} ({payload_size} bytes), more than the {_MAX_IDX_BYTES} "
+            "bytes an IDX file is allowed here; refusing to read it"
         )
-    return np.frombuffer(data, dtype=np.uint8, offset=header_size).reshape(shape)
+    data = _read_exactly(stream, payload_size)
+    if len(data) != payload_size or stream.read(1):
+        found = f"{header_size + len(data)} bytes" if len(data) != payload_size else "more bytes"
+        raise ValueError(
+            f"{source}: size ({found}) does not match its header (shape {shape} needs {header_size + payload_size} "
+            "bytes); the file is truncated or corrupt"
+        )
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
 
 
 def _read_idx_pair(images_file, labels_file) -> tuple[np.ndarray, np.ndarray]:
-    images = _parse_idx(_read_bytes(images_file), _IMAGES_MAGIC, str(images_file))
-    labels = _parse_idx(_read_bytes(labels_file), _LABELS_MAGIC, str(labels_file))
+    images = _read_idx(images_file, _IMAGES_MAGIC)
+    labels = _read_idx(labels_file, _LABELS_MAGIC)
     if images.shape[0] != labels.shape[0]:
         raise ValueError(
             f"{images_file} holds {images.shape[0]} images but {labels_file} holds {labels.shape[0]} labels"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from safetensors import SafetensorError
 
 from .plot import plot_reconstruction
-from .reconstruct import plan_reconstruction, save_planned_models
+from .profiles import MAX_PROFILE_ERROR
+from .reconstruct import MAX_TARGETS, InexactReconstructionWarning, plan_reconstruction, save_planned_models
 from .snapshots import list_snapshots, storage_dtype
 
 
@@ -28,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         nargs="+",
         required=True,
-        help="target relative EMA lengths, each in (0, 0.2887), e.g. --sigma_rel 0.05 0.075 0.1",
+        help=(
+            f"target relative EMA lengths, each in [1e-4, 0.2887), at most {MAX_TARGETS}, "
+            "e.g. --sigma_rel 0.05 0.075 0.1"
+        ),
     )
     parser.add_argument(
         "--target_step",
@@ -47,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--plot", default=None, help="also write a PNG of the target and reconstructed profiles")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output folders")
+    parser.add_argument(
+        "--allow_inexact",
+        action="store_true",
+        help=(
+            f"also reconstruct targets whose profile the snapshots reach only with more than {MAX_PROFILE_ERROR:.0%} "
+            "relative error (refused otherwise, naming the reachable range); each is reported as a warning"
+        ),
+    )
     parser.add_argument(
         "--dry-run",
         "--dry_run",
@@ -67,12 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         snapshots = list_snapshots(args.snapshot_dir)
         if not snapshots:
             raise ValueError(f"no snapshot files (phema-*.safetensors) in {args.snapshot_dir}")
-        plan = plan_reconstruction(snapshots, args.sigma_rel, args.target_step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", InexactReconstructionWarning)
+            plan = plan_reconstruction(snapshots, args.sigma_rel, args.target_step, allow_inexact=args.allow_inexact)
+        inexact = [str(w.message) for w in caught if issubclass(w.category, InexactReconstructionWarning)]
         print(plan.describe())
         if args.plot:
             plot_reconstruction(plan, args.plot)
             print(f"wrote {args.plot}")
         if args.dry_run:
+            _warn(parser, inexact)
             return 0
         folders = save_planned_models(
             plan,
@@ -83,10 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
         )
     except (ValueError, OSError, SafetensorError) as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        parser.exit(2, f"{parser.prog}: error: {' '.join(str(error).split())}\n")
     for folder in folders:
         print(f"wrote {folder}")
+    _warn(parser, inexact)
     return 0
+
+
+def _warn(parser: argparse.ArgumentParser, messages: list[str]) -> None:
+    """Each inexact target as a last, loud line on stderr."""
+    for message in messages:
+        print(f"{parser.prog}: WARNING: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

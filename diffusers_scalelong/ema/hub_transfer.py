@@ -27,6 +27,12 @@ dies, so the partial file itself is not reused across processes).
 :func:`push_reconstruction` uploads a reconstructed diffusers model folder with a model card recording its
 ``sigma_rel``.
 
+Only regular files inside the folder a caller names are uploaded: the files to send are checked before anything is
+read or sent, and a symbolic link (even one pointing inside; for a model folder anywhere under it), a device,
+socket or pipe is refused with a ``ValueError`` naming it. Pulled snapshots get the header checks of :func:`~diffusers_scalelong.ema.snapshots.
+read_snapshot_info` (the header's model built on the ``meta`` device and compared with the file's tensors) before
+they are returned, and index entries must carry the ``gamma`` of their ``sigma_rel``.
+
 All functions take ``endpoint`` and ``token`` (``None``: the ``huggingface_hub`` defaults, ``HF_ENDPOINT`` / saved
 login); an endpoint that cannot be reached raises ``diffusers_scalelong.hub.HubAccessError`` naming it.
 """
@@ -34,7 +40,9 @@ login); an endpoint that cannot be reached raises ``diffusers_scalelong.hub.HubA
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -117,6 +125,12 @@ def push_snapshots(
     local = list_snapshots(folder)
     if not local:
         raise ValueError(f"no snapshot files (phema-*.safetensors) in {folder}: nothing to push")
+    links = [info.path for info in local if info.path.is_symlink()]
+    if links:  # nothing but the folder's own files is sent
+        raise ValueError(
+            f"folder {folder}: {links[0].name} is a symbolic link (to {os.readlink(links[0])}); only regular files "
+            "inside the folder are uploaded, replace it with a copy"
+        )
     api = HfApi(endpoint=endpoint, token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     prefix = _clean_prefix(path_in_repo)
@@ -161,8 +175,11 @@ def push_reconstruction(
     the card is written beside the model's ``config.json``.
     """
     model_folder = Path(model_folder)
+    if not model_folder.is_dir():
+        raise ValueError(f"model_folder {model_folder} has no config.json: expected a diffusers model folder")
+    files = _regular_files(model_folder, "model_folder")  # before anything is read or uploaded
     config_path = model_folder / "config.json"
-    if not config_path.is_file():
+    if "config.json" not in files:
         raise ValueError(f"model_folder {model_folder} has no config.json: expected a diffusers model folder")
     record = _read_provenance(model_folder, sigma_rel)
     class_name = json.loads(config_path.read_text()).get("_class_name", "ModelMixin")
@@ -171,9 +188,7 @@ def push_reconstruction(
     api.create_repo(repo_id, private=private, exist_ok=True)
     prefix = _clean_prefix(path_in_repo)
     operations = [
-        CommitOperationAdd(f"{prefix}{path.relative_to(model_folder).as_posix()}", str(path))
-        for path in sorted(model_folder.rglob("*"))
-        if path.is_file() and path.name != "README.md"
+        CommitOperationAdd(f"{prefix}{name}", str(model_folder / name)) for name in files if name != "README.md"
     ]
     operations.append(CommitOperationAdd(f"{prefix}README.md", str(card).encode()))
     message = commit_message or f"Add {class_name} reconstructed with post-hoc EMA sigma_rel={record['sigma_rel']:g}"
@@ -302,6 +317,31 @@ def reconstruct_from_hub(
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------------------------
+def _regular_files(folder: Path | str | os.PathLike, name: str) -> list[str]:
+    """Relative POSIX paths of the regular files under ``folder``, sorted; ``ValueError`` naming the first symbolic
+    link or special file anywhere under it (``name``: the caller's parameter), so that an upload cannot send a file
+    from outside the folder."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        folder = folder.resolve()  # the folder the caller named may itself be a link; what lies under it may not
+    found = []
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for entry in sorted(dirs + files):
+            path = Path(root) / entry
+            mode = os.lstat(path).st_mode
+            relative = path.relative_to(folder).as_posix()
+            if stat.S_ISLNK(mode):
+                raise ValueError(
+                    f"{name} {folder}: {relative} is a symbolic link (to {os.readlink(path)}); only regular files "
+                    "inside the folder are uploaded, replace it with a copy"
+                )
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise ValueError(f"{name} {folder}: {relative} is not a regular file; only regular files are uploaded")
+            if stat.S_ISREG(mode):
+                found.append(relative)
+    return sorted(found)
+
+
 def _clean_prefix(path_in_repo: str) -> str:
     path = path_in_repo.strip("/")
     if ".." in path.split("/"):
@@ -353,6 +393,15 @@ def _read_index(
         raise ValueError(f"{where} is not a valid snapshot index: {error}") from None
     for entry in entries:
         check_filename_matches(entry.filename, entry.time, entry.sigma_rel, entry.filename, f"the index {where}")
+        try:
+            gamma = sigma_rel_to_gamma(entry.sigma_rel)
+        except ValueError as error:
+            raise ValueError(f"{where} lists {entry.filename} with {error}") from None
+        if not math.isclose(entry.gamma, gamma, rel_tol=1e-9):  # float64 round-off of the same root, as in headers
+            raise ValueError(
+                f"{where} lists {entry.filename} with gamma={entry.gamma!r}, but sigma_rel={entry.sigma_rel!r} has "
+                f"gamma={gamma!r}; push the snapshots again"
+            )
     return entries
 
 

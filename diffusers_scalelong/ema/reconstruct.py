@@ -6,6 +6,12 @@ The reconstructed weights are ``theta_j = sum_i X_ij theta_i``. Snapshots are re
 into one accumulator per target, so memory is one tensor plus the outputs, whatever the number of snapshots.
 Buffers are not averaged: they are taken from the newest snapshot used.
 
+Reach: a target whose best combination is off by more than ``MAX_PROFILE_ERROR`` (relative L2 distance of the
+profiles, see ``profiles``) is refused, naming the reachable sigma_rel range, unless ``allow_inexact=True``, which
+reconstructs it with a warning. :func:`fit_error` and :func:`reachable_sigma_rel_range` answer the same question
+for tools (e.g. a slider), from local or remote snapshot metadata. At most ``MAX_TARGETS`` targets per call: each
+holds a full copy of the model in memory.
+
 Integrity: the snapshots must come from one training run (one ``run_id``); every tensor read is hashed on the way
 and each file's checksum compared with the one in its header before the result is used; the result is checked
 finite before it is saved. A saved folder's ``phema.json`` (written last) records the SHA-256 of every other file.
@@ -13,10 +19,10 @@ finite before it is saved. A saved folder's ``phema.json`` (written last) record
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,12 +46,19 @@ from ..integrity import (
     verify_manifest,
 )
 from ..validation import check_number_sequence
-from .profiles import sigma_rel_to_gamma, solve_profile_coefficients
+from .model_check import ALLOWED_MODEL_PACKAGES, check_model_matches, resolve_model_class  # noqa: F401 - re-exported
+from .profiles import MAX_PROFILE_ERROR, reachable_interval, sigma_rel_to_gamma, solve_profile_coefficients
 from .snapshots import SnapshotInfo, list_snapshots, snapshot_filename, storage_dtype
 
-#: Only classes from these packages are instantiated from snapshot metadata.
-ALLOWED_MODEL_PACKAGES = ("diffusers", "diffusers_scalelong")
+#: Most targets reconstructed in one call: each holds a full float32 copy of the model until it is written.
+MAX_TARGETS = 64
 PROVENANCE_FILENAME = "phema.json"
+
+
+class InexactReconstructionWarning(UserWarning):
+    """A target reconstructed with ``allow_inexact=True`` although its profile error exceeds ``MAX_PROFILE_ERROR``."""
+
+
 ACCUMULATE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 T = TypeVar("T")
 
@@ -138,26 +151,97 @@ def plan_reconstruction(
     snapshots: str | os.PathLike | Sequence[SnapshotInfo],
     target_sigma_rels: Sequence[float],
     target_time: int | None = None,
+    *,
+    allow_inexact: bool = False,
 ) -> ReconstructionPlan:
     """Validate the snapshots (a folder or ``list_snapshots`` output) and solve for the coefficients.
 
     ``target_time`` must be one of the snapshot times (default: the newest). Snapshots at time 0 and newer than
-    the target are excluded. Raises ``ValueError`` for an empty set, mixed models, or a bad target.
+    the target are excluded. Raises ``ValueError`` for an empty set, mixed models, a bad target, more than
+    ``MAX_TARGETS`` targets, or a target the snapshots reconstruct only with a relative profile error above
+    ``MAX_PROFILE_ERROR`` (the message names the reachable range); ``allow_inexact=True`` accepts such a target
+    with an :class:`InexactReconstructionWarning` instead.
     """
-    target_sigma_rels = check_number_sequence("target_sigma_rels", target_sigma_rels)
+    target_sigma_rels = _check_targets(target_sigma_rels)
     snapshots = _as_snapshots(snapshots)
-    if not target_sigma_rels:
-        raise ValueError("give at least one target sigma_rel")
     target_gammas = tuple(sigma_rel_to_gamma(s) for s in target_sigma_rels)
     _check_consistent(snapshots)
+    last = snapshots[-1]
+    if last.model_class is not None:  # the header's model against the tensors, before any model is built (cached)
+        check_model_matches(last.model_class, last.model_config, last.shapes, last.copied_keys, str(last.path))
     target_time, used = select_for_target(snapshots, target_time)
+    times, gammas = [info.time for info in used], [info.gamma for info in used]
     coefficients, errors = solve_profile_coefficients(
-        [info.time for info in used],
-        [info.gamma for info in used],
-        [target_time] * len(target_sigma_rels),
-        target_gammas,
+        times, gammas, [target_time] * len(target_sigma_rels), target_gammas
     )
+    inexact = [(s, float(e)) for s, e in zip(target_sigma_rels, errors, strict=True) if e > MAX_PROFILE_ERROR]
+    if inexact:
+        message = _unreachable_message(inexact, times, gammas, target_time)
+        if not allow_inexact:
+            raise ValueError(f"{message}; pass allow_inexact=True (--allow_inexact) to reconstruct it anyway")
+        warnings.warn(f"reconstructed anyway (allow_inexact): {message}", InexactReconstructionWarning, stacklevel=2)
     return ReconstructionPlan(target_time, target_sigma_rels, target_gammas, tuple(used), coefficients, errors)
+
+
+def _check_targets(target_sigma_rels: Sequence[float]) -> tuple[float, ...]:
+    target_sigma_rels = check_number_sequence("target_sigma_rels", target_sigma_rels)
+    if not target_sigma_rels:
+        raise ValueError("give at least one target sigma_rel")
+    if len(target_sigma_rels) > MAX_TARGETS:
+        raise ValueError(
+            f"target_sigma_rels holds {len(target_sigma_rels)} values, at most {MAX_TARGETS} are reconstructed at "
+            "once (each holds a full copy of the model in memory); split them into several calls, or use fit_error "
+            "to compare many targets without reconstructing them"
+        )
+    return target_sigma_rels
+
+
+def _unreachable_message(
+    inexact: list[tuple[float, float]], times: list[int], gammas: list[float], target_time: int
+) -> str:
+    sigma_rel, error = max(inexact, key=lambda pair: pair[1])
+    reach = reachable_interval(times, gammas, target_time, MAX_PROFILE_ERROR)
+    where = f"sigma_rel {reach[0]:.4g} to {reach[1]:.4g}" if reach else "none"
+    others = f" ({len(inexact) - 1} more targets too)" if len(inexact) > 1 else ""
+    return (
+        f"target sigma_rel={sigma_rel:g} cannot be reconstructed from these snapshots at time {target_time}: the best "
+        f"combination's profile is off by {error:.1%} (relative L2; at most {MAX_PROFILE_ERROR:.0%} accepted){others}; "
+        f"reachable at that time: {where}"
+    )
+
+
+def fit_error(
+    snapshots: str | os.PathLike | Sequence[Any], target_sigma_rels: Sequence[float], target_time: int | None = None
+) -> np.ndarray:
+    """Relative profile error ``||sum_i x_i p_i - p_target|| / ||p_target||`` of the best reconstruction of each
+    target at ``target_time`` (default: the newest snapshot time), from snapshot metadata only.
+
+    ``snapshots``: a folder, ``SnapshotInfo``s, or remote index entries (anything with ``time`` and ``gamma``), so
+    a tool can tell which targets are reachable (error ``<= MAX_PROFILE_ERROR``) before anything is downloaded.
+    """
+    target_sigma_rels = check_number_sequence("target_sigma_rels", target_sigma_rels)
+    gammas = [sigma_rel_to_gamma(s) for s in target_sigma_rels]
+    target_time, used = select_for_target(_as_snapshots(snapshots), target_time)
+    if not gammas:
+        return np.zeros(0)
+    times = [info.time for info in used]
+    return solve_profile_coefficients(times, [info.gamma for info in used], [target_time] * len(gammas), gammas)[1]
+
+
+def reachable_sigma_rel_range(
+    snapshots: str | os.PathLike | Sequence[Any],
+    target_time: int | None = None,
+    *,
+    max_error: float = MAX_PROFILE_ERROR,
+) -> tuple[float, float] | None:
+    """``(lowest, highest)`` sigma_rel reconstructable at ``target_time`` (default: the newest snapshot time) with a
+    relative profile error of at most ``max_error`` (``None`` if none is), e.g. the ends of a slider.
+
+    Accepts what :func:`fit_error` accepts; the range is the connected one around the best-fitting target, to
+    ~0.05% of sigma_rel (:func:`~diffusers_scalelong.ema.profiles.reachable_interval`).
+    """
+    target_time, used = select_for_target(_as_snapshots(snapshots), target_time)
+    return reachable_interval([info.time for info in used], [info.gamma for info in used], target_time, max_error)
 
 
 def _accumulate(
@@ -220,8 +304,12 @@ def reconstruct_ema(
     dtype: torch.dtype | str = torch.float32,
     accumulate_dtype: torch.dtype | str = torch.float32,
     progress: bool = False,
+    allow_inexact: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Reconstructed model ``state_dict``s, one per target sigma_rel, at ``target_time`` (default: newest).
+
+    A target the snapshots cannot reach within ``MAX_PROFILE_ERROR`` is refused unless ``allow_inexact=True``
+    (see :func:`plan_reconstruction`).
 
     Examples:
         >>> import tempfile
@@ -236,30 +324,14 @@ def reconstruct_ema(
         ...         ema.update(model, step)
         ...         if step % 20 == 0:  # a snapshot of both profiles every 20 steps
         ...             _ = ema.save_snapshots(folder, step, is_main_process=True)
-        ...     short, long = reconstruct_ema(folder, target_sigma_rels=[0.03, 0.15])
+        ...     short, long = reconstruct_ema(folder, target_sigma_rels=[0.04, 0.15])
         >>> sorted(short)  # a state_dict for the model
         ['bias', 'weight']
         >>> bool(long["weight"][0, 0] < short["weight"][0, 0] < 1)  # a longer EMA lags further behind the weights
         True
     """
-    plan = plan_reconstruction(snapshots, target_sigma_rels, target_time)
+    plan = plan_reconstruction(snapshots, target_sigma_rels, target_time, allow_inexact=allow_inexact)
     return _accumulate(plan, _accumulate_dtype(accumulate_dtype), storage_dtype(dtype), progress)
-
-
-def resolve_model_class(qualified_name: str) -> type:
-    """Import a diffusers model class named ``"package.module.ClassName"`` from an allow-listed package."""
-    from diffusers import ModelMixin
-
-    module_name, _, class_name = qualified_name.rpartition(".")
-    if module_name.split(".")[0] not in ALLOWED_MODEL_PACKAGES or not class_name.isidentifier():
-        raise ValueError(f"model class {qualified_name!r} is not from an allowed package {ALLOWED_MODEL_PACKAGES}")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name, None)
-    except ImportError as error:
-        raise ValueError(f"cannot import model class {qualified_name!r}: {error}") from None
-    if not (isinstance(cls, type) and issubclass(cls, ModelMixin)):
-        raise ValueError(f"{qualified_name!r} is not a diffusers ModelMixin class")
-    return cls
 
 
 def reconstruction_dirname(time: int, sigma_rel: float) -> str:
@@ -277,15 +349,16 @@ def save_reconstructed_models(
     accumulate_dtype: torch.dtype | str = torch.float32,
     progress: bool = False,
     overwrite: bool = False,
+    allow_inexact: bool = False,
 ) -> list[Path]:
     """Reconstruct and write one folder per target under ``output_dir``; returns the folders.
 
     Diffusers models (snapshots that record a ``model_class``) are written with ``save_pretrained`` and load with
     ``from_pretrained``; other models as ``model.safetensors``. Each folder also gets ``phema.json`` (sigma_rel,
     gamma, time, snapshots, coefficients, expected profile error). All checks run before anything is written, and
-    each folder appears at once (renamed from a temporary folder).
+    each folder appears at once (renamed from a temporary folder). ``allow_inexact``: see :func:`plan_reconstruction`.
     """
-    plan = plan_reconstruction(snapshots, target_sigma_rels, target_time)
+    plan = plan_reconstruction(snapshots, target_sigma_rels, target_time, allow_inexact=allow_inexact)
     return save_planned_models(
         plan, output_dir, dtype=dtype, accumulate_dtype=accumulate_dtype, progress=progress, overwrite=overwrite
     )
@@ -311,6 +384,9 @@ def save_planned_models(
     destinations = [output_dir / reconstruction_dirname(plan.target_time, s) for s in plan.target_sigma_rels]
     if len(set(destinations)) != len(destinations):
         raise ValueError(f"target sigma_rels must be distinct, got {plan.target_sigma_rels}")
+    links = [str(d) for d in destinations if d.is_symlink()]
+    if links:
+        raise ValueError(f"output folders are symbolic links (only real folders inside output_dir are written): {links}")
     existing = [str(d) for d in destinations if d.exists()]
     if existing and not overwrite:
         raise ValueError(f"output folders already exist (use overwrite): {existing}")

@@ -18,13 +18,21 @@ parameters plus copied buffers) and, in the header metadata under the key ``"phe
     library_version diffusers_scalelong.__version__ of the writer
     run_id          the training run that wrote it (a hex string), or null; absent in files written before it existed
 
-The JSON object also holds ``content_sha256``, the checksum of the tensor data (``diffusers_scalelong.integrity``);
-it is verified whenever the tensors are read for a reconstruction. The tensors
-are checked finite before a snapshot is written.
+The JSON object also holds ``content_sha256``, the checksum of the tensor data (``diffusers_scalelong.integrity``),
+verified whenever the tensors are read for a reconstruction, and ``header_sha256``, the SHA-256 of the canonical
+JSON (sorted keys, no spaces) of every other field above, verified whenever the header is read. The tensors are
+checked finite before a snapshot is written.
+
+Every header is also cross-checked, so that metadata which changes a reconstruction cannot be edited unnoticed,
+even in files written before ``header_sha256`` existed (read without it): ``gamma`` must be the exponent of
+``sigma_rel`` (recomputed), ``copied_keys`` must name tensors of the file, the averaged tensors must be stored in
+``dtype``, and for a recorded ``model_class`` the class built from ``model_config`` on the ``meta`` device must have
+exactly the file's tensors and buffers (``diffusers_scalelong.ema.model_check``) before any real model is built.
 
 Files are written to a temporary name in the target folder and renamed into place, so a reader never sees a
-half-written snapshot. ``list_snapshots`` reads only the safetensors headers, and checks that each file's name
-agrees with the time and sigma_rel in its header.
+half-written snapshot. ``list_snapshots`` reads only the safetensors headers, checks that each file's name
+agrees with the time and sigma_rel in its header, and refuses a snapshot that is a symbolic link leading out of
+the folder.
 
 For tools that move snapshots (e.g. to and from a Hub repository): the file name alone gives the time and the
 (rounded) sigma_rel (``parse_snapshot_filename``), so a reconstruction at time ``T`` needs exactly the files with
@@ -35,7 +43,9 @@ their coefficients, library_version) for model cards. The names and the metadata
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -46,13 +56,21 @@ import torch
 from safetensors import safe_open
 
 from .._version import __version__
-from ..integrity import DIGEST_KEY, check_finite, save_safetensors
+from ..integrity import DIGEST_KEY, IntegrityError, check_finite, save_safetensors
+from .profiles import sigma_rel_to_gamma
 
 SNAPSHOT_FORMAT = "diffusers_scalelong.phema-snapshot"
 SNAPSHOT_FORMAT_VERSION = 1
 METADATA_KEY = "phema"
 FILENAME_PATTERN = re.compile(r"^phema-(\d{10})-(\d+\.\d+)\.safetensors$")
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HEADER_DIGEST_KEY = "header_sha256"
+TIME_UNITS = ("steps", "images")
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# The stored gamma and the one recomputed from sigma_rel agree to float64 round-off (the cubic's root is polished
+# with Newton steps: ~1e-15 relative, whatever the platform's LAPACK); 1e-9 leaves room for that and still refuses
+# any edit that would move a weight (a 1e-9 change of gamma moves the profile by ~1e-9 of its width).
+_GAMMA_RTOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -150,38 +168,82 @@ def write_snapshot(
         "library_version": __version__,
         "run_id": run_id,
     }
+    metadata[HEADER_DIGEST_KEY] = header_sha256(metadata)
     save_safetensors(tensors, final_path, METADATA_KEY, metadata)
     return str(final_path)
+
+
+def header_sha256(meta: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of a snapshot header's fields, without the two checksum fields."""
+    fields = {key: value for key, value in meta.items() if key not in (DIGEST_KEY, HEADER_DIGEST_KEY)}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def parse_snapshot_metadata(header: dict[str, str], where: str) -> dict[str, Any]:
     """The one reader of a snapshot's ``"phema"`` header metadata (from a local file or a remote header read).
 
-    Returns the fields of the format above with their types; raises ``ValueError`` naming ``where``.
+    Returns the fields of the format above with their types, after checking ``header_sha256`` (when present) and
+    that ``gamma`` is the exponent of ``sigma_rel``; raises ``ValueError`` naming ``where``
+    (:class:`~diffusers_scalelong.integrity.IntegrityError` for an edited header).
     """
     if METADATA_KEY not in header:
         raise ValueError(f"snapshot file {where} has no '{METADATA_KEY}' metadata (not written by PowerFunctionEMA?)")
     try:
         meta = json.loads(header[METADATA_KEY])
+        if not isinstance(meta, dict):
+            raise TypeError("the metadata is not a JSON object")
         if meta.get("format") != SNAPSHOT_FORMAT:
             raise ValueError(f"format is {meta.get('format')!r}")
         if int(meta["format_version"]) > SNAPSHOT_FORMAT_VERSION:
             raise ValueError(f"format_version {meta['format_version']} is newer than this library supports")
-        return {
-            "time": int(meta["time"]),
-            "time_unit": str(meta["time_unit"]),
+        fields = {
+            "time": _integer(meta["time"], "time"),
+            "time_unit": _choice(meta["time_unit"], TIME_UNITS, "time_unit"),
             "sigma_rel": float(meta["sigma_rel"]),
             "gamma": float(meta["gamma"]),
-            "dtype": str(meta["dtype"]),
-            "copied_keys": tuple(meta["copied_keys"]),
-            "model_class": meta["model_class"],
+            "dtype": _choice(meta["dtype"], tuple(STORAGE_DTYPES), "dtype"),
+            "copied_keys": _string_tuple(meta["copied_keys"], "copied_keys"),
+            "model_class": _optional_str(meta["model_class"], "model_class"),
             "model_config": meta["model_config"],
             "library_version": str(meta["library_version"]),
             "run_id": _optional_str(meta.get("run_id"), "run_id"),
             "content_sha256": _optional_str(meta.get(DIGEST_KEY), DIGEST_KEY),
         }
+        if not (fields["model_config"] is None or isinstance(fields["model_config"], dict)):
+            raise TypeError(f"model_config must be a JSON object or null, got {type(fields['model_config']).__name__}")
+        recorded = _optional_str(meta.get(HEADER_DIGEST_KEY), HEADER_DIGEST_KEY)
+        expected_gamma = sigma_rel_to_gamma(fields["sigma_rel"])
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"snapshot file {where} has invalid '{METADATA_KEY}' metadata: {error!r}") from None
+    if recorded is not None and recorded != header_sha256(meta):
+        raise IntegrityError(
+            f"snapshot file {where}: its header metadata was changed after it was written (the fields no longer match "
+            f"its {HEADER_DIGEST_KEY})"
+        )
+    if not math.isclose(fields["gamma"], expected_gamma, rel_tol=_GAMMA_RTOL, abs_tol=0.0):
+        raise ValueError(
+            f"snapshot file {where} records gamma={fields['gamma']!r}, but the profile of sigma_rel="
+            f"{fields['sigma_rel']!r} has gamma={expected_gamma!r}; the header was edited or the file is damaged"
+        )
+    return fields
+
+
+def _integer(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _choice(value: Any, choices: tuple[str, ...], name: str) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _string_tuple(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value) or len(set(value)) != len(value):
+        raise TypeError(f"{name} must be a list of distinct strings")
+    return tuple(value)
 
 
 def _optional_str(value: Any, name: str) -> str | None:
@@ -204,18 +266,43 @@ def check_filename_matches(name: str, time: int, sigma_rel: float, where: str, r
 def read_snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
     """Read a snapshot's header (metadata and tensor shapes) without loading tensor data.
 
-    A file named like a snapshot must carry the time and sigma_rel its name says (``ValueError`` otherwise).
+    A file named like a snapshot must carry the time and sigma_rel its name says; its header is cross-checked
+    against its tensors (see the module docstring); ``ValueError`` otherwise.
     """
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            shapes = {k: tuple(s.get_shape()) for k, s in slices.items()}
+            dtypes = {k: s.get_dtype() for k, s in slices.items()}
     except Exception as error:  # safetensors raises its own error types for truncated/corrupt headers
         raise ValueError(f"snapshot file {path} is truncated or corrupt: {error}") from None
     info = SnapshotInfo(path=path, shapes=shapes, **parse_snapshot_metadata(header, str(path)))
     check_filename_matches(path.name, info.time, info.sigma_rel, str(path))
+    _check_tensors(info, dtypes)
     return info
+
+
+def _check_tensors(info: SnapshotInfo, dtypes: dict[str, str]) -> None:
+    """The header's ``copied_keys``, ``dtype`` and model against the file's tensors (see the module docstring)."""
+    where = f"snapshot file {info.path}"
+    unknown = [key for key in info.copied_keys if key not in info.shapes]
+    if unknown:
+        raise ValueError(f"{where}: copied_keys name {unknown[0]!r}, which the file does not hold")
+    averaged = [key for key in info.shapes if key not in set(info.copied_keys)]
+    if not averaged:
+        raise ValueError(f"{where}: copied_keys name every tensor, so nothing would be averaged")
+    stored = [key for key in averaged if _SAFETENSORS_DTYPES.get(dtypes[key]) != info.dtype]
+    if stored:
+        raise ValueError(
+            f"{where}: the averaged tensor {stored[0]!r} is stored as {dtypes[stored[0]]}, but the header says "
+            f"dtype={info.dtype} (copied_keys was edited, or the file is damaged)"
+        )
+    if info.model_class is not None:
+        from .model_check import check_model_matches
+
+        check_model_matches(info.model_class, info.model_config, info.shapes, info.copied_keys, where)
 
 
 def list_snapshots(folder: str | os.PathLike) -> list[SnapshotInfo]:
@@ -223,17 +310,24 @@ def list_snapshots(folder: str | os.PathLike) -> list[SnapshotInfo]:
 
     Files not named ``phema-*.safetensors`` (including temporary files of writes in progress) are ignored; a
     snapshot file with a bad header, or a ``phema-*.safetensors`` file whose name does not follow the pattern (it
-    would otherwise be left out silently), raises ``ValueError`` naming it. An empty folder gives an empty list.
+    would otherwise be left out silently), or one that is a symbolic link leading out of ``folder``, raises
+    ``ValueError`` naming it. An empty folder gives an empty list.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"snapshot folder {folder} does not exist or is not a folder")
+    root = folder.resolve()
     names = sorted(path.name for path in folder.iterdir())
     for name in names:
         if name.startswith("phema-") and name.endswith(".safetensors") and not FILENAME_PATTERN.match(name):
             raise ValueError(
                 f"{folder / name} is not named like a snapshot (phema-<10-digit time>-<sigma_rel>.safetensors); "
                 "rename or remove it"
+            )
+        if FILENAME_PATTERN.match(name) and (folder / name).resolve().parent != root:
+            raise ValueError(
+                f"{folder / name} is a symbolic link to {(folder / name).resolve()}, outside {folder}; only files "
+                "inside the snapshot folder are read (copy the file in instead)"
             )
     infos = [read_snapshot_info(folder / name) for name in names if FILENAME_PATTERN.match(name)]
     return sorted(infos, key=lambda info: (info.time, info.sigma_rel))

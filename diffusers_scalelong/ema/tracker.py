@@ -19,6 +19,7 @@ from torch import nn
 from ..integrity import load_verified, save_safetensors
 from ..validation import check_number_sequence
 from .profiles import sigma_rel_to_gamma
+from .snapshots import snapshot_filename
 
 STATE_FORMAT = "diffusers_scalelong.PowerFunctionEMA"
 STATE_VERSION = 1
@@ -57,6 +58,31 @@ def _unsharded_class(model: nn.Module) -> type:
     return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
+def check_sigma_rels(sigma_rels: Sequence[float]) -> tuple[float, ...]:
+    """The profiles to track as floats; ``ValueError`` naming ``sigma_rels`` unless there is at least one, each is
+    a valid width (``MIN_SIGMA_REL <= sigma_rel < sqrt(1/12)``) and no two share a snapshot file name (names keep
+    at most 6 decimals, so e.g. 0.1234561 and 0.1234562 would overwrite each other's snapshots)."""
+    values = check_number_sequence("sigma_rels", sigma_rels)
+    if not values:
+        raise ValueError("sigma_rels must name at least one profile")
+    for index, value in enumerate(values):
+        try:
+            sigma_rel_to_gamma(value)
+        except ValueError as error:
+            raise ValueError(f"sigma_rels[{index}]: {error}") from None
+    names: dict[str, float] = {}
+    for value in values:
+        name = snapshot_filename(1, value).removeprefix("phema-0000000001-").removesuffix(".safetensors")
+        if name in names:
+            same = "are equal" if names[name] == value else f"share the snapshot file name label {name!r}"
+            raise ValueError(
+                f"sigma_rels {names[name]!r} and {value!r} {same}: their snapshots would overwrite each other; "
+                "give distinct values that differ within 6 decimals"
+            )
+        names[name] = value
+    return values
+
+
 def _check_time(step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step <= 0:
         raise ValueError(f"step must be a positive integer time stamp (steps or images), got {step!r}")
@@ -83,7 +109,8 @@ class PowerFunctionEMA:
 
     Args:
         model: the trained module; Accelerate / DDP / ``torch.compile`` wrappers are unwrapped.
-        sigma_rels: relative widths of the tracked profiles, each in (0, sqrt(1/12)).
+        sigma_rels: relative widths of the tracked profiles, each in [1e-4, sqrt(1/12)), distinct within 6 decimals
+            (:func:`check_sigma_rels`).
         device: where the float32 averages live (default: next to each parameter), e.g. ``"cpu"``.
         time_unit: what ``step`` counts (``"steps"`` or ``"images"``), recorded in snapshots.
         run_id: the training run, recorded in every snapshot and in the state (default: a new random id);
@@ -116,13 +143,8 @@ class PowerFunctionEMA:
         time_unit: str = "steps",
         run_id: str | None = None,
     ) -> None:
-        sigma_rels = check_number_sequence("sigma_rels", sigma_rels)
-        self.gammas = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)  # validates each sigma_rel
-        sigma_rels = tuple(float(s) for s in sigma_rels)
-        if not sigma_rels:
-            raise ValueError("sigma_rels must name at least one profile")
-        if len(set(sigma_rels)) != len(sigma_rels):
-            raise ValueError(f"sigma_rels must be distinct, got {sigma_rels}")
+        sigma_rels = check_sigma_rels(sigma_rels)
+        self.gammas = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)
         if time_unit not in ("steps", "images"):
             raise ValueError(f"time_unit must be 'steps' or 'images', got {time_unit!r}")
         self.sigma_rels = sigma_rels
