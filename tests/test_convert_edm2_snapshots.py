@@ -102,9 +102,9 @@ def test_converted_snapshots_reconstruct_from_the_local_hub(raw_snapshots, local
     edm2_main([str(folder), "--output_dir", str(out), "--sigma_rel", "0.05"])
     push_snapshots(out, "tester/edm2-snapshots", endpoint=local_hub.endpoint)
     (pulled,) = reconstruct_from_hub(
-        "tester/edm2-snapshots", [0.07], 16384, endpoint=local_hub.endpoint, cache_dir=tmp_path / "cache"
+        "tester/edm2-snapshots", [0.052], 16384, endpoint=local_hub.endpoint, cache_dir=tmp_path / "cache"
     )
-    (local,) = reconstruct_ema(out, [0.07], 16384)
+    (local,) = reconstruct_ema(out, [0.052], 16384)  # within the profiles the 0.05 snapshots reach
     assert pulled.keys() == local.keys()
     for key in pulled:
         torch.testing.assert_close(pulled[key], local[key], atol=0, rtol=0)  # same files, same arithmetic

@@ -1,6 +1,7 @@
 """Bring released checkpoints in: NVIDIA's EDM2 pickles and post-hoc EMA snapshots, U-ViT / ScaleLong state dicts.
 
-- :mod:`.safe_pickle`: reads official network pickles as plain data, executing nothing from the file;
+- :mod:`.pickle_vm`, :mod:`.safe_pickle`: read official network pickles and ``torch.save`` checkpoints as fresh
+  plain data, executing nothing from the file and bounded in size, depth and shape;
 - :mod:`.edm2_state_dict`: official EDM2 tensor names -> ``EDM2UNet2DModel`` + ``LearnedUncertainty``;
 - :mod:`.edm2_official`: an official network pickle -> an ``EDM2Pipeline`` folder (and the preconditioner);
 - :mod:`.edm2_snapshots`: official raw post-hoc EMA snapshots -> ``phema-*.safetensors`` snapshot files;
@@ -17,7 +18,7 @@ from .edm2_official import (
 )
 from .edm2_snapshots import convert_edm2_snapshots
 from .edm2_state_dict import convert_edm2_state_dict, preconditioner_from_edm2_state_dict
-from .safe_pickle import RestrictedUnpickler, UnsafePickleError, load_restricted_pickle
+from .safe_pickle import PickleLimits, UnsafePickleError, load_restricted_pickle, load_torch_checkpoint
 from .uvit_official import (
     convert_uvit_checkpoint,
     convert_uvit_state_dict,
@@ -26,7 +27,7 @@ from .uvit_official import (
 )
 
 __all__ = [
-    "RestrictedUnpickler",
+    "PickleLimits",
     "UnsafePickleError",
     "convert_edm2_pickle",
     "convert_edm2_snapshots",
@@ -35,6 +36,7 @@ __all__ = [
     "convert_uvit_state_dict",
     "from_edm2_pickle",
     "load_restricted_pickle",
+    "load_torch_checkpoint",
     "official_vpsde_scheduler",
     "preconditioner_from_edm2_pickle",
     "preconditioner_from_edm2_state_dict",

@@ -1,20 +1,37 @@
-"""Console scripts ``scalelong-convert-edm2`` and ``scalelong-convert-uvit``."""
+"""Console scripts ``scalelong-convert-edm2`` and ``scalelong-convert-uvit``.
+
+A refused input (a bad option, a file this package will not read, an existing output folder) prints one line
+``<command>: <reason>`` on stderr and exits with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from .edm2_official import convert_edm2_pickle, push_converted_edm2
 from .edm2_snapshots import convert_edm2_snapshots
 from .uvit_official import OFFICIAL_LSC_METHODS, convert_uvit_checkpoint
 
 
-def _check_output(path: str, overwrite: bool) -> None:
-    folder = Path(path)
-    if folder.exists() and any(folder.iterdir()) and not overwrite:
-        raise SystemExit(f"--output_dir {folder} exists and is not empty; pass --overwrite to write into it")
+class CommandRefused(SystemExit):
+    """Exit status 2; ``str()`` is the one-line message the command printed on stderr."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _refuse(prog: str, error: object) -> NoReturn:
+    message = f"{prog}: " + " ".join(str(error).split())
+    print(message, file=sys.stderr)
+    raise CommandRefused(message)
 
 
 def edm2_parser() -> argparse.ArgumentParser:
@@ -45,7 +62,12 @@ def edm2_parser() -> argparse.ArgumentParser:
     parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="also push to this Hub repository")
     parser.add_argument("--hub_endpoint", default=None, help="Hub URL (default: HF_ENDPOINT or the public Hub)")
     parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output_dir")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="network pickles: replace a non-empty --output_dir as a whole; snapshot folders: convert again the "
+        "snapshots already there",
+    )
     return parser
 
 
@@ -53,11 +75,12 @@ def edm2_main(argv: Sequence[str] | None = None) -> int:
     args = edm2_parser().parse_args(argv)
     if Path(args.network).is_dir():
         return _convert_snapshots(args)
-    _check_output(args.output_dir, args.overwrite)
     try:
-        pipeline = convert_edm2_pickle(args.network, args.output_dir, args.vae, args.guide, args.guidance)
-    except ValueError as error:
-        raise SystemExit(f"scalelong-convert-edm2: {error}") from None
+        pipeline = convert_edm2_pickle(
+            args.network, args.output_dir, args.vae, args.guide, args.guidance, overwrite=args.overwrite
+        )
+    except (ValueError, OSError) as error:
+        _refuse("scalelong-convert-edm2", error)
     print(f"wrote {args.output_dir}")
     if args.push_to_hub:
         url = push_converted_edm2(
@@ -70,11 +93,11 @@ def edm2_main(argv: Sequence[str] | None = None) -> int:
 def _convert_snapshots(args: argparse.Namespace) -> int:
     for option in ("vae", "guide", "guidance", "push_to_hub"):
         if getattr(args, option) is not None:
-            raise SystemExit(f"scalelong-convert-edm2: --{option} applies to a network pickle, not a snapshot folder")
+            _refuse("scalelong-convert-edm2", f"--{option} applies to a network pickle, not a snapshot folder")
     try:
         paths = convert_edm2_snapshots(args.network, args.output_dir, args.prefix, args.sigma_rel, args.overwrite)
-    except ValueError as error:
-        raise SystemExit(f"scalelong-convert-edm2: {error}") from None
+    except (ValueError, OSError) as error:
+        _refuse("scalelong-convert-edm2", error)
     print(f"wrote {len(paths)} snapshots to {args.output_dir} (existing ones kept unless --overwrite)")
     return 0
 
@@ -83,7 +106,7 @@ def uvit_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scalelong-convert-uvit",
         description="Convert an official U-ViT / ScaleLong checkpoint (a torch state dict such as nnet_ema.pth, "
-        "read with weights_only=True) into a UViT2DModel folder with a DDPMScheduler matching the official "
+        "read as plain data, nothing in it runs) into a UViT2DModel folder with a DDPMScheduler matching the official "
         "VP-SDE timestep convention (timestep = 999 t).",
     )
     parser.add_argument("checkpoint", help="official state dict file, e.g. nnet_ema.pth")
@@ -96,16 +119,17 @@ def uvit_parser() -> argparse.ArgumentParser:
         "(default: the LS variant the se.* keys show, else none)",
     )
     parser.add_argument("--kappa", type=float, default=0.5, help="ScaleLong kappa (used by cs; default 0.5)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output_dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir as a whole")
     return parser
 
 
 def uvit_main(argv: Sequence[str] | None = None) -> int:
     args = uvit_parser().parse_args(argv)
-    _check_output(args.output_dir, args.overwrite)
     try:
-        convert_uvit_checkpoint(args.checkpoint, args.output_dir, args.num_heads, args.lsc, args.kappa)
-    except ValueError as error:
-        raise SystemExit(f"scalelong-convert-uvit: {error}") from None
+        convert_uvit_checkpoint(
+            args.checkpoint, args.output_dir, args.num_heads, args.lsc, args.kappa, overwrite=args.overwrite
+        )
+    except (ValueError, OSError) as error:
+        _refuse("scalelong-convert-uvit", error)
     print(f"wrote {args.output_dir}")
     return 0

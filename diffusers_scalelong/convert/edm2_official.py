@@ -36,6 +36,7 @@ from ..atomic import atomic_write_text
 from ..hub import model_card, push_pipeline_to_hub
 from ..pipelines import set_edm2_latent_scaling
 from .edm2_state_dict import convert_edm2_state_dict
+from .output import replaced_folder
 from .safe_pickle import PersistentObject, load_restricted_pickle, module_tensors
 
 __all__ = [
@@ -193,7 +194,17 @@ def _check_recorded_arguments(unet: PersistentObject, config: dict[str, Any]) ->
 def networks_from_pickle(
     network: PersistentObject,
 ) -> tuple[EDM2UNet2DModel, LearnedUncertainty | None, float]:
-    """``(unet, uncertainty, sigma_data)`` in float32 from a pickled ``Precond`` record."""
+    """``(unet, uncertainty, sigma_data)`` in float32 from a pickled ``Precond`` record.
+
+    Records of the wrong kinds (a list where a number belongs, a missing key) raise ValueError.
+    """
+    try:
+        return _networks(network)
+    except (AttributeError, IndexError, KeyError, TypeError, ZeroDivisionError) as error:
+        raise ValueError(f"the pickled network is malformed: {type(error).__name__}: {error}") from None
+
+
+def _networks(network: PersistentObject) -> tuple[EDM2UNet2DModel, LearnedUncertainty | None, float]:
     if network.class_name != "Precond":
         raise ValueError(f"expected the official Precond network, got class {network.class_name!r}")
     unet_record = (network.get("_modules") or {}).get("unet")
@@ -374,22 +385,25 @@ def convert_edm2_pickle(
     vae: str | os.PathLike | AutoencoderKL | None = None,
     guide: str | os.PathLike | None = None,
     guidance_scale: float | None = None,
+    overwrite: bool = False,
 ) -> EDM2Pipeline:
     """Write an official network pickle as an ``EDM2Pipeline`` folder that is also an ``EDMPreconditioner`` folder.
 
-    ``output_dir`` receives the pipeline (``save_pretrained``, safetensors), the uncertainty head and
+    The folder is written whole beside ``output_dir`` and then swapped in: an existing non-empty ``output_dir``
+    is refused unless ``overwrite``, and then replaced entirely (nothing of the old folder is kept). It receives the pipeline (``save_pretrained``, safetensors), the uncertainty head and
     ``preconditioner_config.json`` beside ``unet/`` (so ``EDMPreconditioner.from_pretrained(output_dir)`` loads
     the network for fine-tuning with the EDM2 loss), ``edm2_source.json`` and a ``README.md`` model card.
     """
-    source = read_edm2_pickle(path)
-    guide_source = read_edm2_pickle(guide) if guide is not None else None
-    pipeline, uncertainty, sigma_data = _pipeline(source, vae, guide_source, guidance_scale)
     output_dir = Path(output_dir)
-    EDMPreconditioner(pipeline.unet, uncertainty, sigma_data=sigma_data).save_pretrained(output_dir)
-    pipeline.save_pretrained(output_dir, safe_serialization=True)
-    metadata = source_metadata(source, guide_source, guidance_scale)
-    atomic_write_text(output_dir / SOURCE_METADATA, json.dumps(metadata, indent=2) + "\n")
-    atomic_write_text(output_dir / "README.md", str(model_card(pipeline, output_dir.name, **card_options(metadata))))
+    with replaced_folder(output_dir, overwrite) as folder:
+        source = read_edm2_pickle(path)
+        guide_source = read_edm2_pickle(guide) if guide is not None else None
+        pipeline, uncertainty, sigma_data = _pipeline(source, vae, guide_source, guidance_scale)
+        EDMPreconditioner(pipeline.unet, uncertainty, sigma_data=sigma_data).save_pretrained(folder)
+        pipeline.save_pretrained(folder, safe_serialization=True)
+        metadata = source_metadata(source, guide_source, guidance_scale)
+        atomic_write_text(folder / SOURCE_METADATA, json.dumps(metadata, indent=2) + "\n")
+        atomic_write_text(folder / "README.md", str(model_card(pipeline, output_dir.name, **card_options(metadata))))
     return pipeline
 
 

@@ -74,9 +74,16 @@ def convert_edm2_snapshots(
     """Convert every official snapshot pickle in ``input_dir`` into a snapshot file in ``output_dir``.
 
     Files already converted are kept (so an interrupted conversion resumes) unless ``overwrite``. One network is in
-    memory at a time. Returns the snapshot paths, oldest first.
+    memory at a time. Returns the snapshot paths, oldest first. Two source files that would write one snapshot
+    file (``...-8-0.05.pkl`` beside ``...-0000008-0.050.pkl``) raise ValueError before anything is written.
     """
     entries = list_official_snapshots(input_dir, prefix, sigma_rels)
+    sources_of: dict[str, Path] = {}
+    for path, _, images, sigma_rel in entries:
+        name = snapshot_filename(images, sigma_rel)
+        if name in sources_of:
+            raise ValueError(f"{sources_of[name].name} and {path.name} both convert to {name}: keep only one of them")
+        sources_of[name] = path
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     written, sources = [], []

@@ -37,6 +37,8 @@ from diffusers import DDPMPipeline, DDPMScheduler
 
 from .. import UViT2DModel
 from ..atomic import atomic_write_text
+from .output import replaced_folder
+from .safe_pickle import load_torch_checkpoint
 
 __all__ = [
     "OFFICIAL_LSC_METHODS",
@@ -160,10 +162,13 @@ def convert_uvit_state_dict(
 def uvit_from_official(
     path: str | os.PathLike, num_heads: int, lsc_method: str | int | None = None, lsc_kappa: float = 0.5
 ) -> UViT2DModel:
-    """A :class:`UViT2DModel` from an official checkpoint file, read with ``torch.load(weights_only=True)``."""
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state_dict, dict):
-        raise ValueError(f"{path} holds a {type(state_dict).__name__}, not a state dict")
+    """A :class:`UViT2DModel` from an official ``torch.save`` checkpoint file, read as plain data and dense tensors
+    (:func:`~.safe_pickle.load_torch_checkpoint`: nothing in the file runs, sizes are bounded)."""
+    state_dict = load_torch_checkpoint(path)
+    if not isinstance(state_dict, dict) or not all(
+        type(key) is str and isinstance(value, torch.Tensor) for key, value in state_dict.items()
+    ):
+        raise ValueError(f"{path} holds a {type(state_dict).__name__}, not a state dict of named tensors")
     converted, config = convert_uvit_state_dict(state_dict, num_heads, lsc_method, lsc_kappa)
     model = UViT2DModel(**config)
     model.load_state_dict(converted, strict=True)
@@ -190,21 +195,28 @@ def convert_uvit_checkpoint(
     num_heads: int,
     lsc_method: str | int | None = None,
     lsc_kappa: float = 0.5,
+    overwrite: bool = False,
 ) -> UViT2DModel:
-    """Write an official checkpoint as a diffusers folder.
+    """Write an official checkpoint as a diffusers folder (built beside ``output_dir``, then swapped in whole; an
+    existing non-empty ``output_dir`` is refused unless ``overwrite``).
 
     Unconditional models become a ``DDPMPipeline`` (``unet/`` + ``scheduler/`` = `official_vpsde_scheduler`);
     class-conditional ones get the same two folders without a pipeline index (``DDPMPipeline`` passes no labels).
     ``uvit_source.json`` records the source file, the config, the ScaleLong method and the timestep convention.
     """
-    model = uvit_from_official(path, num_heads, lsc_method, lsc_kappa)
-    output_dir = Path(output_dir)
-    scheduler = official_vpsde_scheduler()
-    if model.config.num_class_embeds is None:
-        DDPMPipeline(unet=model, scheduler=scheduler).save_pretrained(output_dir, safe_serialization=True)
-    else:
-        model.save_pretrained(output_dir / "unet", safe_serialization=True)
-        scheduler.save_pretrained(output_dir / "scheduler")
+    with replaced_folder(output_dir, overwrite) as folder:
+        model = uvit_from_official(path, num_heads, lsc_method, lsc_kappa)
+        scheduler = official_vpsde_scheduler()
+        if model.config.num_class_embeds is None:
+            DDPMPipeline(unet=model, scheduler=scheduler).save_pretrained(folder, safe_serialization=True)
+        else:
+            model.save_pretrained(folder / "unet", safe_serialization=True)
+            scheduler.save_pretrained(folder / "scheduler")
+        _write_metadata(folder, path, model, num_heads)
+    return model
+
+
+def _write_metadata(folder: Path, path: str | os.PathLike, model: UViT2DModel, num_heads: int) -> None:
     metadata = {
         "source_file": Path(path).name,
         "lsc_method": model.config.lsc_method,
@@ -214,5 +226,4 @@ def convert_uvit_checkpoint(
         "timestep_convention": "timestep = 999 t, t in [0, 1] of the VP SDE beta(t) = 0.1 + 19.9 t; noise prediction",
         "scheduler": "DDPMScheduler with alphas_cumprod[i] = abar(i / 999) (i = 0: abar(1e-3))",
     }
-    atomic_write_text(output_dir / SOURCE_METADATA, json.dumps(metadata, indent=2) + "\n")
-    return model
+    atomic_write_text(folder / SOURCE_METADATA, json.dumps(metadata, indent=2) + "\n")
