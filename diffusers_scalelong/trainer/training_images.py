@@ -1,12 +1,12 @@
-"""Training images: load a dataset through :mod:`diffusers_scalelong.data`, check it, wrap it for a DataLoader."""
+"""Training images: load a dataset through :mod:`diffusers_scalelong.data`, check it (:mod:`.dataset_checks`),
+wrap it for a DataLoader."""
 
 import datasets
 import torch
 
 from ..data import ImageTransform, load_image_dataset
+from .dataset_checks import check_image_sizes, class_count, decode_row, survey_images
 from .rng import item_generator
-
-_MAX_IMAGES_CHECKED = 512
 
 
 def _describe_source(dataset_name: str | None, train_data_dir: str | None) -> str:
@@ -32,10 +32,12 @@ def load_training_dataset(
 ) -> datasets.Dataset:
     """Load and check the training images; every problem raises ``ValueError`` naming the option or file.
 
-    Checks: the source loads and has an image column; it holds at least one image; with ``class_conditional``
-    it has integer labels; user-supplied images (up to 512, spread over the dataset) are at least ``resolution``
-    pixels on the shorter side unless ``allow_upscaling`` (the embedded 28x28 Fashion-MNIST is always upscaled,
-    as the package's default transform does).
+    Checks, all before training (after ``max_train_samples`` keeps the first rows): the source loads and has an
+    image column; it holds at least one image; every image's header can be read, and a spread sample of images
+    decodes (:func:`.dataset_checks.survey_images`); with ``class_conditional`` every label is an integer in
+    ``[0, num_classes)``; user-supplied images are at least ``resolution`` pixels on the shorter side unless
+    ``allow_upscaling`` (the embedded 28x28 Fashion-MNIST is always upscaled, as the package's default transform
+    does).
     """
     source = _describe_source(dataset_name, train_data_dir)
     try:
@@ -59,42 +61,23 @@ def load_training_dataset(
     if max_train_samples is not None:
         dataset = dataset.select(range(min(max_train_samples, len(dataset))))
     if class_conditional:
-        if "label" not in dataset.column_names:
-            raise ValueError(f"--class_conditional needs labels, but {source} has no label column (--label_column)")
-        if not isinstance(dataset.features["label"], datasets.ClassLabel | datasets.Value):
-            raise ValueError(f"--class_conditional: the label column of {source} is not a class label")
-    if dataset_name is not None or train_data_dir is not None:
-        _check_image_sizes(dataset, resolution, allow_upscaling, source)
+        class_count(dataset, source)
+    survey = survey_images(dataset, source)
+    if (dataset_name is not None or train_data_dir is not None) and not allow_upscaling:
+        check_image_sizes(survey, resolution, source)
     return dataset
 
 
-def _check_image_sizes(dataset: datasets.Dataset, resolution: int, allow_upscaling: bool, source: str) -> None:
-    step = max(len(dataset) // _MAX_IMAGES_CHECKED, 1)
-    for index in range(0, len(dataset), step)[:_MAX_IMAGES_CHECKED]:
-        try:
-            image = dataset[index]["image"]
-        except Exception as error:
-            raise ValueError(f"{source}: image #{index} cannot be decoded: {error}") from error
-        if image is None:
-            raise ValueError(f"{source}: row #{index} has no image")
-        if not allow_upscaling and min(image.size) < resolution:
-            raise ValueError(
-                f"{source}: image #{index} is {image.size[0]}x{image.size[1]}, smaller than --resolution {resolution}; "
-                "lower --resolution or pass --allow_upscaling"
-            )
-
-
 def num_classes(dataset: datasets.Dataset) -> int:
-    """Number of classes of the ``label`` column (``ClassLabel`` names, else max label + 1)."""
-    feature = dataset.features["label"]
-    if isinstance(feature, datasets.ClassLabel):
-        return feature.num_classes
-    return int(max(dataset["label"])) + 1
+    """Number of classes of the ``label`` column (``ClassLabel`` names, else max label + 1), after checking that
+    every label is an integer in ``[0, num_classes)`` (``ValueError`` naming the first bad row)."""
+    return class_count(dataset)
 
 
 def infer_channels(dataset: datasets.Dataset) -> int:
-    """1 when the first image is greyscale, else 3 (what :class:`ImageTransform` produces with ``channels=None``)."""
-    return ImageTransform(resolution=1, center_crop=True)(dataset[0]["image"]).shape[0]
+    """1 when every image of the dataset is greyscale, else 3: a dataset mixing greyscale and colour images trains
+    in RGB, never in grey (read from every image's header; once per dataset and process)."""
+    return survey_images(dataset, "the training dataset").channels
 
 
 class TrainingImages(torch.utils.data.Dataset):
@@ -118,7 +101,7 @@ class TrainingImages(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict:
-        row = self.dataset[int(index)]
+        row = decode_row(self.dataset, index)
         self.transform.generator = item_generator(self.seed, self.epoch, int(index))
         item = {"pixel_values": self.transform(row["image"])}
         if self.with_labels:
@@ -137,7 +120,8 @@ def load_captioned_dataset(
     max_train_samples: int | None = None,
 ) -> datasets.Dataset:
     """Images with captions: an imagefolder whose ``metadata.jsonl`` has ``file_name`` and a caption column, or a
-    ``datasets`` dataset. Problems raise ``ValueError`` naming the option (no images, no captions, too small)."""
+    ``datasets`` dataset. Problems raise ``ValueError`` naming the option (no images, no captions, unreadable
+    images, too small)."""
     if (dataset_name is None) == (train_data_dir is None):
         raise ValueError("pass exactly one of --dataset_name or --train_data_dir (an imagefolder with metadata.jsonl)")
     source = _describe_source(dataset_name, train_data_dir)
@@ -158,7 +142,9 @@ def load_captioned_dataset(
     dataset = dataset.select_columns([image_column, caption_column])
     renames = {old: new for old, new in ((image_column, "image"), (caption_column, "text")) if old != new}
     dataset = dataset.rename_columns(renames) if renames else dataset
-    _check_image_sizes(dataset, resolution, allow_upscaling, source)
+    survey = survey_images(dataset, source)
+    if not allow_upscaling:
+        check_image_sizes(survey, resolution, source)
     return dataset
 
 
@@ -170,7 +156,7 @@ class CaptionedImages(TrainingImages):
         self.tokenizer = tokenizer
 
     def __getitem__(self, index: int) -> dict:
-        row = self.dataset[int(index)]
+        row = decode_row(self.dataset, index)
         generator = item_generator(self.seed, self.epoch, int(index))
         self.transform.generator = generator
         caption = row["text"]
