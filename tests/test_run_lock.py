@@ -1,6 +1,7 @@
 """One writer per output folder: the lock a run holds on it, tested with real processes."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,3 +98,27 @@ def test_two_training_scripts_into_one_folder(tmp_path):
         first.kill()
         first.wait()
         first.stderr.close()
+
+
+def test_a_run_decided_before_its_folder_exists_locks_it_once_created(tmp_path):
+    output = tmp_path / "new"
+    run = start_run(output, "latest", False, is_main_process=True)
+    assert (run.resume_from, run.holds_lock, output.exists()) == (None, False, False)  # nothing created yet
+    output.mkdir()
+    with held_by_child(output) as pid:  # another run took the new folder meanwhile
+        with pytest.raises(ValueError, match=f"in use by another training run \\(pid {pid} "):
+            run.hold_folder()
+    write_earlier_run(output)  # ... and wrote a run into it
+    with pytest.raises(ValueError, match="changed while this run was being set up"):
+        run.hold_folder()  # "latest" would now resume the other run
+    fresh = start_run(tmp_path / "fresh", None, False, is_main_process=True)
+    shutil.copytree(output, tmp_path / "fresh")
+    with pytest.raises(ValueError, match="already holds another training run"):
+        fresh.hold_folder()
+    assert not run.holds_lock and not fresh.holds_lock
+    other = start_run(tmp_path / "other", None, False, is_main_process=True)
+    (tmp_path / "other").mkdir()
+    other.clear_discarded(tmp_path / "other")  # the name the training loop calls it by until it is rewired
+    assert other.holds_lock and not start_run(tmp_path / "other", None, False, is_main_process=False).holds_lock
+    with pytest.raises(ValueError, match="that is this process"):
+        start_run(tmp_path / "other", None, False, is_main_process=True)

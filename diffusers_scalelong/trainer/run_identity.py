@@ -238,16 +238,40 @@ class RunStart:
         discard: tuple[Path, ...] = (),
         output_dir: str | os.PathLike | None = None,
         lock: FolderLock | None = None,
+        options: tuple[str | None, bool] = (None, False),
+        is_main_process: bool = True,
     ):
         self.run_id = run_id
         self.resume_from = resume_from
         self.discard = tuple(discard)
+        self._options = options  # (resume, overwrite): to decide again under the lock (hold_folder)
+        self._main = is_main_process
         self._hold = _Hold(None if output_dir is None else Path(output_dir), lock)
         self._close = weakref.finalize(self, self._hold.close)
 
     @property
     def holds_lock(self) -> bool:
         return self._hold.lock is not None and self._hold.lock.held
+
+    def hold_folder(self, output_dir: str | os.PathLike | None = None) -> None:
+        """Lock the output folder now, for a run decided while the folder did not exist yet (or with ``start_run(...,
+        hold=False)``); call once the folder is created (a no-op on other processes than the main one, or when held).
+        The start is decided again under the lock: ``ValueError`` when the folder is in use or now holds what would
+        have changed the decision."""
+        if self._hold.lock is not None or not self._main:
+            return
+        output_dir = Path(output_dir if output_dir is not None else self._hold.output_dir)
+        held = start_run(output_dir, *self._options, is_main_process=True)
+        now = (held.resume_from and held.resume_from.path, sorted(held.discard))
+        if now != (self.resume_from and self.resume_from.path, sorted(self.discard)):
+            held.close()
+            raise ValueError(
+                f"--output_dir {str(output_dir)!r} changed while this run was being set up (another run wrote into "
+                "it); start again"
+            )
+        held._close.detach()
+        self._hold.output_dir, self._hold.lock = output_dir, held._hold.lock
+        self.discard = held.discard
 
     def set_aside(self) -> Path | None:
         """Move :attr:`discard` into ``.set-aside-<run_id>``; call once every check has passed, just before the
@@ -287,7 +311,9 @@ class RunStart:
         self.close()
 
     def clear_discarded(self, output_dir: str | os.PathLike | None = None) -> None:
-        """Deprecated name of :meth:`set_aside` (the earlier run is settled when the run closes)."""
+        """Deprecated: :meth:`hold_folder` then :meth:`set_aside` (the earlier run is settled when the run closes).
+        Main process only."""
+        self.hold_folder(output_dir)
         self.set_aside()
 
 
@@ -297,34 +323,43 @@ def _is_main_process_from_env() -> bool:
 
 
 def start_run(
-    output_dir: str | os.PathLike, resume: str | None, overwrite: bool, is_main_process: bool | None = None
+    output_dir: str | os.PathLike,
+    resume: str | None,
+    overwrite: bool,
+    is_main_process: bool | None = None,
+    hold: bool = True,
 ) -> RunStart:
     """Decide how a run starts from ``--resume_from_checkpoint`` (``resume``) and ``--overwrite_output_dir``.
 
-    On the main process (``is_main_process``; ``None``: from the ``RANK`` environment variable) the folder is
-    locked first and what killed runs left is settled (:func:`recover_set_aside`); other processes only read.
-    Nothing of the earlier run moves here (see :meth:`RunStart.set_aside`). Raises ``ValueError`` naming the
-    options, files, run ids or the other run holding the folder when it may not be used (the lock is then released).
+    On the main process (``is_main_process``; ``None``: from the ``RANK`` environment variable) an existing folder
+    is locked first and what killed runs left is settled (:func:`recover_set_aside`); other processes only read.
+    A folder that does not exist yet (or ``hold=False``) is only read, not created: the main process then calls
+    :meth:`RunStart.hold_folder` once it has created it. Nothing of the earlier run moves here (see
+    :meth:`RunStart.set_aside`). Raises ``ValueError`` naming the options, files, run ids or the other run holding
+    the folder when it may not be used (the lock is then released).
     """
     output_dir = Path(output_dir)
     if overwrite and resume is not None:
         raise ValueError("pass either --resume_from_checkpoint or --overwrite_output_dir, not both")
     main = _is_main_process_from_env() if is_main_process is None else is_main_process
-    output_dir.mkdir(parents=True, exist_ok=True)
-    lock = lock_folder(output_dir) if main else None
+    lock = lock_folder(output_dir) if main and hold and output_dir.is_dir() else None
     try:
-        if main:
+        if lock is not None:
             recover_set_aside(output_dir)
         run_id, resume_from, discard = _decide(output_dir, resume, overwrite)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    return RunStart(run_id, resume_from, discard if main else (), output_dir, lock)
+    return RunStart(run_id, resume_from, discard if main else (), output_dir, lock, (resume, overwrite), main)
 
 
 def _decide(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[str | None, Checkpoint | None, tuple]:
-    """``(run id, checkpoint resumed, entries to replace)``; reads only."""
+    """``(run id, checkpoint resumed, entries to replace)``; reads only (a missing folder holds no run)."""
+    if not output_dir.is_dir():
+        if resume not in (None, "latest"):
+            raise ValueError(f"--resume_from_checkpoint {resume!r}: --output_dir {str(output_dir)!r} does not exist")
+        return new_run_id(), None, ()
     resume_from = Checkpoint.resolve(resume, output_dir)
     runs = recorded_runs(output_dir)
     if resume_from is not None:
