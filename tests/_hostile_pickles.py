@@ -346,6 +346,11 @@ def network_pickles() -> dict[str, tuple[bytes, str]]:
             "expands to more than",
         ),
         "tuple_dict_key": ({("a", ("b",)): 1}, "dict key"),
+        "colliding_int_keys": ({k * (2**61 - 1): 0 for k in range(1, 20_000)}, "dict key"),
+        "deeply_nested_persistent_id": (
+            _raw(pickle.EMPTY_LIST * 5_000, pickle.APPEND * 4_999, pickle.BINPERSID),
+            "persistent id list",
+        ),  # fmt: skip
         "global_left_in_data": ({"ema": Ref("numpy.ndarray")}, "leaves a"),
         "storage_left_in_data": ({"ema": storage()}, "leaves a"),
         "persistent_id": (_raw(encode("x")[2:-1], pickle.BINPERSID), "persistent id"),
@@ -416,6 +421,18 @@ def checkpoint_files() -> dict[str, tuple[bytes, str]]:
             "takes none",
         ),
         "zip_not_a_zip": (b"PK\x03\x04" + b"\0" * 100, "not a torch.save"),
+        "zip_values_not_tensors": (_saved({"w": 1, "v": [torch.zeros(2)]}), "not a state dict of named tensors"),
+        "zip_pos_embed_without_tokens": (
+            _saved(
+                {
+                    "patch_embed.proj.weight": torch.zeros(4, 3, 2, 2),
+                    "pos_embed": torch.zeros(5),
+                    "decoder_pred.weight": torch.zeros(12, 4),
+                    "in_blocks.0.mlp.fc1.weight": torch.zeros(8, 4),
+                }
+            ),
+            "not an official U-ViT state dict: IndexError",
+        ),  # fmt: skip
     }
 
 

@@ -139,10 +139,12 @@ def build_network(ns, sd: dict[str, torch.Tensor], label_dim: int) -> torch.nn.M
     return root.eval()
 
 
-def write_official_pickle(ns, path, seed=0, latent=False, conditional=True):
+def write_official_pickle(ns, path, seed=0, latent=False, conditional=True, uncertainty=True):
     sd = official_state_dict(seed)
     if not conditional:
         del sd["unet.emb_label.weight"]
+    if not uncertainty:
+        sd = {key: value for key, value in sd.items() if not key.startswith("logvar_")}
     data = ns.EasyDict(dataset_kwargs=ns.EasyDict(class_name="training.dataset.ImageFolderDataset", resolution=RES))
     data["loss_fn"] = ns.Loss()
     data["loss_fn"].__dict__.update(P_mean=-0.4, P_std=1.0, sigma_data=0.5)
@@ -369,6 +371,36 @@ def test_cli_writes_a_pipeline_that_loads_with_from_pretrained_and_as_a_precondi
         edm2_main([str(path), "--output_dir", str(out)])
     with pytest.raises(SystemExit, match="--guidance 2.0 needs a guide"):
         edm2_main([str(path), "--output_dir", str(tmp_path / "x"), "--guidance", "2.0"])
+
+
+def test_overwrite_replaces_the_whole_folder_and_a_failed_conversion_keeps_the_old_one(official, tmp_path, capsys):
+    old, new = tmp_path / "old.pkl", tmp_path / "new.pkl"
+    official.write(old, seed=0)
+    new_sd = official.write(new, seed=1, uncertainty=False)
+    out = tmp_path / "converted"
+    assert edm2_main([str(old), "--output_dir", str(out)]) == 0
+    assert (out / "uncertainty").is_dir()
+    (out / "notes.txt").write_text("kept by the user")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+
+    with pytest.raises(SystemExit) as refused:
+        edm2_main([str(new), "--output_dir", str(out)])
+    assert refused.value.code == 2 and "--overwrite" in str(refused.value)
+    assert capsys.readouterr().err.count("\n") == 1  # one line on stderr
+    with pytest.raises(SystemExit) as failed:  # a failing conversion with --overwrite touches nothing
+        edm2_main([str(tmp_path / "missing.pkl"), "--output_dir", str(out), "--overwrite"])
+    assert failed.value.code == 2 and "missing.pkl" in str(failed.value)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+    assert edm2_main([str(new), "--output_dir", str(out), "--overwrite"]) == 0
+    assert not (out / "uncertainty").exists() and not (out / "notes.txt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left beside it
+    denoiser = EDMPreconditioner.from_pretrained(out)
+    assert denoiser.uncertainty is None
+    torch.testing.assert_close(  # the new network's weights, as stored in the pickle (float16 -> float32)
+        denoiser.unet.conv_out.weight.detach(), new_sd["unet.out_conv.weight"], atol=0, rtol=0
+    )
+    assert json.loads((out / SOURCE_METADATA).read_text())["source"]["file"] == "new.pkl"
 
 
 def test_read_edm2_pickle_rejects_a_pickle_without_network(tmp_path):

@@ -95,6 +95,15 @@ def test_snapshot_folder_filters_and_errors(official, raw_snapshots, tmp_path): 
     with pytest.raises(SystemExit, match="no official snapshot pickles"):
         edm2_main([str(tmp_path / "u"), "--output_dir", str(tmp_path / "z")])
 
+    # two spellings of one snapshot (kimg 8, sigma_rel 0.05): refused before anything is written
+    official.write(folder / "edm2-img16-t-8-0.0500.pkl", seed=7)
+    with pytest.raises(SystemExit) as refused:
+        edm2_main([str(folder), "--output_dir", str(tmp_path / "dup"), "--prefix", "edm2-img16-t"])
+    message = str(refused.value)
+    assert refused.value.code == 2 and "\n" not in message
+    assert "edm2-img16-t-0000008-0.050.pkl" in message and "edm2-img16-t-8-0.0500.pkl" in message
+    assert not (tmp_path / "dup").exists()
+
 
 def test_converted_snapshots_reconstruct_from_the_local_hub(raw_snapshots, local_hub, tmp_path):
     folder, _ = raw_snapshots

@@ -230,8 +230,11 @@ def preconditioner_from_edm2_pickle(path: str | os.PathLike) -> EDMPreconditione
 
 def _latent_statistics(encoder: PersistentObject) -> tuple[list[float], list[float], float]:
     """``(latents_mean, latents_std, scaling_factor)`` giving the encoder's ``x = z * scale + bias``."""
-    scale = np.asarray(encoder["scale"], dtype=np.float64).reshape(-1)
-    bias = np.asarray(encoder["bias"], dtype=np.float64).reshape(-1)
+    try:
+        scale = np.asarray(encoder["scale"], dtype=np.float64).reshape(-1)
+        bias = np.asarray(encoder["bias"], dtype=np.float64).reshape(-1)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"the pickle's encoder has no numeric scale / bias: {type(error).__name__}: {error}") from None
     if scale.shape != bias.shape or not np.all(scale > 0):
         raise ValueError(f"the pickle's encoder has invalid scale {scale.tolist()} / bias {bias.tolist()}")
     final_std = float((encoder.get("_init_kwargs") or {}).get("final_std", 0.5))
@@ -307,7 +310,7 @@ def _pipeline(
 def _record_summary(record: PersistentObject | None) -> dict[str, Any] | None:
     if record is None:
         return None
-    attributes = {k: v for k, v in record.state.items() if not k.startswith("_") and k != "training"}
+    attributes = {k: v for k, v in record.state.items() if not str(k).startswith("_") and k != "training"}
     return {
         "class_name": record.class_name,
         "persistence_version": record.version,

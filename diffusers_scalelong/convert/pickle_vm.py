@@ -8,8 +8,9 @@ be changed process-wide by the file that names it. :class:`SafeUnpickler` runs i
   ``NEWOBJ`` call the token's validating wrapper, and ``BUILD`` is applied only to an object a wrapper has just
   created and registered for it (once);
 - ``APPEND`` / ``SETITEM`` / ``ADDITEMS`` only fill lists, dicts and sets the machine made, with keys and set
-  members restricted to atoms (``str``, ``bytes``, ``int``, ``float``, ``bool``, ``None``), so nothing hashes or
-  compares a nested structure while loading;
+  members restricted to strings: nothing hashes or compares a nested structure while loading, and string hashes
+  are salted per process, so a file cannot choose keys that all collide (as it can with ints: ``hash(k * (2**61 -
+  1)) == 0``) and make filling a dict quadratic;
 - every allocation is charged to a :class:`Budget` before it happens (strings and bytes by length, containers
   and stack slots by rough CPython sizes, tensors and arrays by their bytes), a length is checked against the
   bytes left in the file before it is read, integers are at most 16 bytes long, and the memo is a dict (a huge
@@ -31,7 +32,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Budget", "Global", "PickleLimits", "SafeUnpickler", "Source", "UnsafePickleError", "check_plain_tree"]
+__all__ = [
+    "Budget",
+    "Global",
+    "PickleLimits",
+    "SafeUnpickler",
+    "Source",
+    "UnsafePickleError",
+    "brief",
+    "check_plain_tree",
+]
 
 #: Rough CPython sizes charged to the budget: a stack slot or small object, a list/tuple item, a dict/set entry.
 SLOT_BYTES, ITEM_BYTES, ENTRY_BYTES = 32, 8, 64
@@ -122,10 +132,15 @@ def _long(data: bytes) -> int:
     return int.from_bytes(data, "little", signed=True)
 
 
-def _atom(value: Any, where: str) -> Any:
-    if type(value) not in ATOMS:
-        raise UnsafePickleError(f"{where}: only str, bytes, numbers, bool and None are allowed, got {type(value)}")
+def _key(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise UnsafePickleError(f"{where}: only strings are allowed, got {type(value).__name__}")
     return value
+
+
+def brief(value: Any) -> str:
+    """``repr`` of an atom (cut to 80 characters), else the type's name: never a walk of attacker data."""
+    return repr(value)[:80] if type(value) in ATOMS else type(value).__name__
 
 
 class SafeUnpickler:
@@ -275,7 +290,7 @@ class SafeUnpickler:
             raise UnsafePickleError("SETITEMS with an odd number of items")
         self.budget.charge(ENTRY_BYTES * (len(items) // 2), "dict entries")
         for i in range(0, len(items), 2):
-            target[_atom(items[i], "dict key")] = items[i + 1]
+            target[_key(items[i], "dict key")] = items[i + 1]
 
     def op_dict(self) -> None:
         items = self.pop_mark()
@@ -294,12 +309,12 @@ class SafeUnpickler:
     def op_additems(self) -> None:
         items = self.pop_mark()
         self.budget.charge(ENTRY_BYTES * len(items), "set items")
-        self.top((set,), "ADDITEMS").update(_atom(item, "set member") for item in items)
+        self.top((set,), "ADDITEMS").update(_key(item, "set member") for item in items)
 
     def op_frozenset(self) -> None:
         items = self.pop_mark()
         self.budget.charge(ENTRY_BYTES * (1 + len(items)), "a frozenset")
-        self.push(frozenset(_atom(item, "frozenset member") for item in items))
+        self.push(frozenset(_key(item, "frozenset member") for item in items))
 
     # -- memo ----------------------------------------------------------------------------------------------------
     def op_get(self, fmt: str, size: int) -> None:
@@ -371,7 +386,7 @@ class SafeUnpickler:
     def op_binpersid(self) -> None:
         pid = self.pop()
         if self.persistent_load is None:
-            raise UnsafePickleError(f"refusing persistent id {pid!r:.80}: plain network pickles carry none")
+            raise UnsafePickleError(f"refusing persistent id {brief(pid)}: plain network pickles carry none")
         self.push(self.persistent_load(pid))
 
 

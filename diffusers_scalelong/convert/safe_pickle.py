@@ -35,7 +35,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .pickle_vm import ATOMS, Budget, Global, PickleLimits, SafeUnpickler, Source, UnsafePickleError, check_plain_tree
+from .pickle_vm import (
+    ATOMS,
+    Budget,
+    Global,
+    PickleLimits,
+    SafeUnpickler,
+    Source,
+    UnsafePickleError,
+    brief,
+    check_plain_tree,
+)
 
 __all__ = [
     "EasyDict",
@@ -150,7 +160,7 @@ def _rebuild_tensor(
     numel = math.prod(size)
     if len(size) != len(stride) or type(offset) is not int or offset != 0 or numel != storage.flat.numel():
         _refuse(
-            f"tensor of size {size} at offset {offset!r} does not cover exactly its storage of "
+            f"tensor of size {size} at offset {brief(offset)} does not cover exactly its storage of "
             f"{storage.flat.numel()} elements"
         )
     _check_dense(size, stride, numel)
@@ -182,10 +192,10 @@ def _new_storage(raw: memoryview | bytes, dtype: torch.dtype, budget: Budget) ->
 def _storage_id(pid: Any, length: int) -> tuple[str, torch.dtype, int]:
     """``(key, dtype, numel)`` of a persistent id ``("storage", type, key, location, numel[, view])``."""
     if type(pid) is not tuple or len(pid) != length or pid[0] != "storage" or type(pid[1]) is not Global:
-        _refuse(f"refusing persistent id {pid!r:.80}: only plain storages are allowed")
+        _refuse(f"refusing persistent id {brief(pid)}: only plain storages are allowed")
     key, location, numel = pid[2], pid[3], pid[4]
     if pid[1].name not in STORAGE_DTYPES or type(key) is not str or not re.fullmatch(r"\w{1,64}", key):
-        _refuse(f"refusing storage {pid[1].name} / key {key!r:.80}")
+        _refuse(f"refusing storage {pid[1].name} / key {brief(key)}")
     if type(location) is not str or type(numel) is not int or numel < 0 or (length == 6 and pid[5] is not None):
         _refuse("refusing a storage id with a bad location, size or view")
     return key, STORAGE_DTYPES[pid[1].name], numel
@@ -242,7 +252,7 @@ def _persistent_object(meta: Any) -> PersistentObject:
 def _numpy_dtype(code: Any, align: Any = False, copy: Any = True) -> np.dtype:
     """``numpy.dtype(code)`` for plain numeric codes only (the shared dtype object is returned, never changed)."""
     if type(code) is not str or code not in NUMPY_CODES or type(align) is not bool or type(copy) is not bool:
-        _refuse(f"numpy.dtype {code!r:.40}: only plain numeric dtypes are allowed (no object dtype)")
+        _refuse(f"numpy.dtype {brief(code)}: only plain numeric dtypes are allowed (no object dtype)")
     return np.dtype(code)
 
 
@@ -293,7 +303,7 @@ def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
 def _no_args(factory: Callable[[], Any]) -> Callable[..., Any]:
     def make(*args: Any) -> Any:
         if args:
-            _refuse(f"refusing arguments {args!r:.80} to a constructor that takes none here")
+            _refuse(f"refusing {len(args)} arguments to a constructor that takes none here")
         return factory()
 
     return make

@@ -169,7 +169,10 @@ def uvit_from_official(
         type(key) is str and isinstance(value, torch.Tensor) for key, value in state_dict.items()
     ):
         raise ValueError(f"{path} holds a {type(state_dict).__name__}, not a state dict of named tensors")
-    converted, config = convert_uvit_state_dict(state_dict, num_heads, lsc_method, lsc_kappa)
+    try:
+        converted, config = convert_uvit_state_dict(state_dict, num_heads, lsc_method, lsc_kappa)
+    except (IndexError, KeyError, TypeError, ZeroDivisionError) as error:
+        raise ValueError(f"{path} is not an official U-ViT state dict: {type(error).__name__}: {error}") from None
     model = UViT2DModel(**config)
     model.load_state_dict(converted, strict=True)
     return model.eval()
