@@ -5,6 +5,7 @@
 - :mod:`.edm2_state_dict`: official EDM2 tensor names -> ``EDM2UNet2DModel`` + ``LearnedUncertainty``;
 - :mod:`.edm2_official`: an official network pickle -> an ``EDM2Pipeline`` folder (and the preconditioner);
 - :mod:`.edm2_snapshots`: official raw post-hoc EMA snapshots -> ``phema-*.safetensors`` snapshot files;
+- :mod:`.output`: converted folders are built beside the target and swapped in whole;
 - :mod:`.uvit_official`: an official U-ViT / ScaleLong state dict -> ``UViT2DModel``;
 - :mod:`.cli`: the ``scalelong-convert-edm2`` and ``scalelong-convert-uvit`` commands.
 """
