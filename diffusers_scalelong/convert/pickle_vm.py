@@ -185,7 +185,10 @@ class SafeUnpickler:
                 raise
             except (IndexError, KeyError, TypeError, ValueError, struct.error, OverflowError) as error:
                 name = _OPCODE_NAMES.get(code, f"0x{code:02x}")
-                raise UnsafePickleError(f"malformed pickle at opcode {name}: {type(error).__name__}: {error}") from None
+                detail = str(error)[:200]
+                raise UnsafePickleError(
+                    f"malformed pickle at opcode {name}: {type(error).__name__}: {detail}"
+                ) from None
 
     def pop(self) -> Any:
         if not self.stack:

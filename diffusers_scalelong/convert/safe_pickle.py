@@ -30,7 +30,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -126,7 +126,7 @@ class _Storage:
 
 
 # ---- validating wrappers (each returns a new object) -----------------------------------------------------------
-def _refuse(message: str) -> None:
+def _refuse(message: str) -> NoReturn:
     raise UnsafePickleError(message)
 
 
@@ -183,8 +183,8 @@ def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> torch.Tenso
     return data
 
 
-def _new_storage(raw: memoryview | bytes, dtype: torch.dtype, budget: Budget) -> _Storage:
-    budget.charge(len(raw), f"a storage of {len(raw)} bytes")
+def _new_storage(raw: memoryview | bytes, dtype: torch.dtype) -> _Storage:
+    """A storage over a copy of ``raw`` (the caller has charged its bytes to the budget)."""
     flat = torch.frombuffer(bytearray(raw), dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
     return _Storage(flat)
 
@@ -231,7 +231,8 @@ def _legacy_storage(data: Any, budget: Budget) -> _Storage:
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     if count != numel or source.left != nbytes:
         _refuse(f"storage: claims {numel} elements ({nbytes} bytes) but holds {source.left} bytes")
-    return _new_storage(memoryview(data)[len(data) - nbytes :], dtype, budget)
+    budget.charge(nbytes, f"a storage of {nbytes} bytes")
+    return _new_storage(memoryview(data)[len(data) - nbytes :], dtype)
 
 
 def _persistent_object(meta: Any) -> PersistentObject:
@@ -376,7 +377,7 @@ _CHILDREN: dict[type, Callable[[Any], Any]] = {
     EasyDict: dict.values,
     list: iter,
     tuple: iter,
-    set: lambda _: (),  # members are atoms
+    set: lambda _: (),  # members are strings
     frozenset: lambda _: (),
     PersistentObject: lambda record: (record.state,),
     ModuleRecord: lambda record: (record.state,),
@@ -438,7 +439,8 @@ def load_torch_checkpoint(path: str | os.PathLike, limits: PickleLimits | None =
                 nbytes = numel * torch.empty(0, dtype=dtype).element_size()
                 if info is None or info.file_size != nbytes:
                     _refuse(f"storage {key}: claims {nbytes} bytes, the archive holds {info and info.file_size}")
-                read[key] = _new_storage(archive.read(info), dtype, budget)
+                budget.charge(2 * nbytes, f"a storage of {nbytes} bytes")  # the bytes read and their copy
+                read[key] = _new_storage(archive.read(info), dtype)
             elif read[key].flat.dtype != dtype:
                 _refuse(f"storage {key} is read as two dtypes")
             return read[key]
