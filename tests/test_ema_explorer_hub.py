@@ -80,3 +80,15 @@ def test_write_space_refuses_a_repo_without_snapshots_and_writes_nothing(local_h
         )
     assert exit_info.value.code == 2 and "has no post-hoc EMA snapshots" in capsys.readouterr().err
     assert not (tmp_path / "space").exists()
+
+
+def test_save_this_ema_pushes_the_pipeline(local_hub, hub_repo, tmp_path):
+    from huggingface_hub import HfApi
+
+    _, folder = hub_repo
+    explorer = Explorer(SnapshotSource(folder, endpoint=local_hub.endpoint), num_images=1)
+    saved = explorer.save(0.08, 40, tmp_path / "saved", push_to="tester/explorer-pushed")
+    files = set(HfApi(endpoint=local_hub.endpoint).list_repo_files("tester/explorer-pushed"))
+    assert {"model_index.json", "scheduler/scheduler_config.json", "unet/config.json"} <= files
+    local = {p.relative_to(saved).as_posix() for p in saved.rglob("*.safetensors")}
+    assert local <= files

@@ -98,12 +98,16 @@ class ExplorerPage:
     def save(self, sigma: float, time: float, folder: str, repo: str) -> str:
         """Write the pipeline folder (and push it when ``repo`` is given); the message for the page."""
         try:
-            path = self.explorer.save(
-                round(float(sigma), 6), int(time), folder.strip() or DEFAULT_SAVE_DIR, push_to=repo.strip() or None
-            )
+            path = self.explorer.save(round(float(sigma), 6), int(time), folder.strip() or DEFAULT_SAVE_DIR)
         except (ValueError, OSError) as error:
             return f"**Not saved:** {error}"
-        return f"wrote `{path}`" + (f" and pushed it to `{repo.strip()}`" if repo.strip() else "")
+        if not repo.strip():
+            return f"wrote `{path}`"
+        try:
+            self.explorer.push(path, repo.strip())
+        except (ValueError, OSError) as error:
+            return f"wrote `{path}`; **not pushed:** {error}"
+        return f"wrote `{path}` and pushed it to `{repo.strip()}`"
 
 
 def build_app(

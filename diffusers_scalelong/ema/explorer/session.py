@@ -20,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from huggingface_hub import HfApi
 
 from ...atomic import replace_path, staging_folder
+from ...hub.access import hub_errors
 from ...integrity import check_finite, load_verified
 from ...pipelines import EDM2Pipeline
 from ...schedulers import EDMHeunScheduler
@@ -162,7 +164,8 @@ class Explorer:
 
         ``unet/`` holds exactly what ``scalelong-reconstruct-ema`` writes (the model, its config and ``phema.json``);
         ``scheduler/`` and ``model_index.json`` make it a pipeline. The folder appears at once (renamed from a
-        temporary one). ``push_to``: a Hub repo id to upload the pipeline to afterwards.
+        temporary one). ``push_to``: a Hub repo id to upload the folder to afterwards (``endpoint`` and ``token`` of the
+        source).
         """
         plan = self.plan(sigma_rel, time)
         output_dir = Path(output_dir)
@@ -185,7 +188,13 @@ class Explorer:
             shutil.rmtree(stage, ignore_errors=True)
             raise
         if push_to:
-            EDM2Pipeline.from_pretrained(destination).push_to_hub(
-                push_to, endpoint=self.source.hub_options["endpoint"], ema_sigma_rel=float(sigma_rel)
-            )
+            self.push(destination, push_to)
         return destination
+
+    def push(self, folder: str | os.PathLike, repo_id: str) -> None:
+        """Upload a saved pipeline folder to ``repo_id`` (created if missing) through the source's endpoint."""
+        endpoint = self.source.hub_options["endpoint"]
+        with hub_errors(endpoint):  # an unreachable Hub: one line naming it
+            api = HfApi(endpoint=endpoint, token=self.source.hub_options["token"])
+            api.create_repo(repo_id, exist_ok=True)
+            api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=f"Add {Path(folder).name}")
