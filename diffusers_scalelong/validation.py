@@ -101,8 +101,8 @@ def check_parameter_count(owner: str, count: float) -> None:
 
 def conv_unet_parameter_floor(widths: Sequence[int], layers_per_block: Sequence[int]) -> int:
     """A lower bound of a conv UNet's parameters: level ``l`` of width ``w_l`` has ``n_l`` encoder and ``n_l + 1``
-    decoder residual blocks, each with two 3x3 convolutions of at least ``w_l -> w_l``: ``sum_l (2 n_l + 1) 18 w_l^2``."""
-    return sum((2 * n + 1) * 18 * w * w for w, n in zip(widths, layers_per_block, strict=True))
+    decoder residual blocks, each ending in a 3x3 convolution ``w_l -> w_l``: ``sum_l (2 n_l + 1) 9 w_l^2``."""
+    return sum((2 * n + 1) * 9 * w * w for w, n in zip(widths, layers_per_block, strict=True))
 
 
 def check_sigma(name: str, value: object, low: float = SIGMA_RANGE[0]) -> float:

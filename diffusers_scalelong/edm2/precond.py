@@ -17,6 +17,7 @@ from torch import nn
 
 from ..atomic import atomic_write_text
 from ..schedulers.edm_preconditioning import edm_c_in, edm_c_noise, edm_c_out, edm_c_skip
+from ..validation import check_sigma
 from .uncertainty import LearnedUncertainty
 
 __all__ = ["EDMPreconditioner", "edm_precondition"]
@@ -44,6 +45,7 @@ def edm_precondition(
     ``model`` is a raw network called as ``model(c_in x, c_noise, class_labels=...)`` returning ``.sample`` or a
     tensor (e.g. :class:`EDM2UNet2DModel`); its input is cast to the dtype of ``sample``.
     """
+    check_sigma("sigma_data", sigma_data)
     x = sample.to(torch.float32)
     sigma = _sigma_tensor(sigma, sample)
     model_input = (x * edm_c_in(sigma, sigma_data)).to(sample.dtype)
@@ -63,11 +65,13 @@ class EDMPreconditioner(nn.Module):
 
     def __init__(self, unet: nn.Module, uncertainty: LearnedUncertainty | None = None, sigma_data: float = 0.5) -> None:
         super().__init__()
-        if not sigma_data > 0:
-            raise ValueError(f"sigma_data must be positive, got {sigma_data}")
+        if not isinstance(unet, nn.Module):
+            raise ValueError(f"unet must be a torch module (the raw network F), got {type(unet).__name__}")
+        if uncertainty is not None and not isinstance(uncertainty, nn.Module):
+            raise ValueError(f"uncertainty must be None or a LearnedUncertainty, got {type(uncertainty).__name__}")
         self.unet = unet
         self.uncertainty = uncertainty
-        self.sigma_data = float(sigma_data)
+        self.sigma_data = check_sigma("sigma_data", sigma_data)
 
     def forward(
         self,

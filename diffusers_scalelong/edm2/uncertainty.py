@@ -7,6 +7,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from ..layers.legacy_config import LegacyAutoMapMixin
 from ..layers.mp import MPConv, MPFourier
 from ..layers.mp_casting import MPLayerwiseCastingMixin
+from ..validation import MAX_PARAMETERS, check_count
 
 __all__ = ["LearnedUncertainty", "ModelMixin"]
 
@@ -22,6 +23,7 @@ class LearnedUncertainty(LegacyAutoMapMixin, MPLayerwiseCastingMixin, ModelMixin
     @register_to_config
     def __init__(self, num_channels: int = 128):
         super().__init__()
+        check_count("num_channels", num_channels, 1, MAX_PARAMETERS)  # its parameter count is num_channels
         self.fourier = MPFourier(num_channels)
         self.linear = MPConv(num_channels, 1)
 

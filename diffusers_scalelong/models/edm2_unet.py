@@ -23,6 +23,7 @@ from ..scalelong.loading import LongSkipScalingLoaderMixin
 from ..scalelong.scaling import LongSkipScaling
 from ..scalelong.skips import LongSkip, LongSkipLayout
 from ..validation import check_number, check_optional_count
+from .config_checks import check_edm2_unet_config
 
 __all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel"]
 
@@ -91,14 +92,21 @@ class EDM2UNet2DModel(
         lsc_reduction: int = 16,
     ):
         super().__init__()
+        check_edm2_unet_config(
+            sample_size=sample_size,
+            in_channels=in_channels,
+            out_channels=out_channels,
+            model_channels=model_channels,
+            channel_mult=channel_mult,
+            channel_mult_noise=channel_mult_noise,
+            channel_mult_emb=channel_mult_emb,
+            layers_per_block=layers_per_block,
+            attention_resolutions=attention_resolutions,
+            channels_per_head=channels_per_head,
+            clip_act=clip_act,
+            num_class_embeds=num_class_embeds,
+        )
         num_levels = len(channel_mult)
-        if num_levels < 1 or min(channel_mult) < 1 or model_channels < 1:
-            raise ValueError("model_channels and every channel_mult entry must be positive integers")
-        if sample_size % 2 ** (num_levels - 1) != 0:
-            raise ValueError(
-                f"sample_size={sample_size} is not divisible by 2**{num_levels - 1} (the number of down-samplings "
-                f"of channel_mult={list(channel_mult)})"
-            )
         for name, value in [
             ("label_balance", label_balance),
             ("concat_balance", concat_balance),

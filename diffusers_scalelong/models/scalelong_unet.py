@@ -14,6 +14,7 @@ from ..layers.legacy_config import LegacyAutoMapMixin
 from ..scalelong.conv_hooks import install_conv_lsc
 from ..scalelong.loading import LongSkipScalingLoaderMixin
 from ..scalelong.skips import LongSkipLayout, conv_long_skip_layout
+from .config_checks import check_conv_unet_config
 
 __all__ = ["ModelMixin", "ScaleLongUNet2DConditionModel", "ScaleLongUNet2DModel"]
 
@@ -63,6 +64,19 @@ class ScaleLongUNet2DModel(LegacyAutoMapMixin, ConvLongSkipsMixin, LongSkipScali
         lsc_kappa: float = 0.5,
         lsc_reduction: int = 16,
     ):
+        check_conv_unet_config(
+            "ScaleLongUNet2DModel",
+            sample_size=sample_size,
+            in_channels=in_channels,
+            out_channels=out_channels,
+            block_out_channels=block_out_channels,
+            layers_per_block=layers_per_block,
+            norm_num_groups=norm_num_groups,
+            norm_eps=norm_eps,
+            dropout=dropout,
+            num_class_embeds=num_class_embeds,
+            attention_head_dim=attention_head_dim,
+        )
         super().__init__(
             sample_size=sample_size,
             in_channels=in_channels,
@@ -167,6 +181,19 @@ class ScaleLongUNet2DConditionModel(
         lsc_kappa: float = 0.5,
         lsc_reduction: int = 16,
     ):
+        check_conv_unet_config(
+            "ScaleLongUNet2DConditionModel",
+            sample_size=sample_size,
+            in_channels=in_channels,
+            out_channels=out_channels,
+            block_out_channels=block_out_channels,
+            layers_per_block=layers_per_block,
+            norm_num_groups=norm_num_groups,
+            norm_eps=norm_eps,
+            dropout=dropout,
+            num_class_embeds=num_class_embeds,
+            attention_head_dim=attention_head_dim,
+        )
         super().__init__(
             sample_size=sample_size,
             in_channels=in_channels,

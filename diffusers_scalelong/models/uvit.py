@@ -24,6 +24,7 @@ from ..layers.legacy_config import LegacyAutoMapMixin
 from ..scalelong.loading import LongSkipScalingLoaderMixin
 from ..scalelong.scaling import LongSkipScaling
 from ..scalelong.skips import LongSkip, LongSkipLayout
+from .config_checks import check_uvit_config
 
 __all__ = ["ModelMixin", "UViT2DModel", "UViTBlock"]
 
@@ -99,10 +100,17 @@ class UViT2DModel(LegacyAutoMapMixin, LongSkipScalingLoaderMixin, ModelMixin, Co
         lsc_reduction: int = 16,
     ):
         super().__init__()
-        if depth < 2 or depth % 2:
-            raise ValueError(f"depth must be an even number >= 2 (in/out block pairs), got {depth}")
-        if sample_size % patch_size:
-            raise ValueError(f"sample_size={sample_size} must be divisible by patch_size={patch_size}")
+        check_uvit_config(
+            sample_size=sample_size,
+            patch_size=patch_size,
+            in_channels=in_channels,
+            out_channels=out_channels,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            num_class_embeds=num_class_embeds,
+        )
         out_channels = out_channels or in_channels
         self.gradient_checkpointing = False
 

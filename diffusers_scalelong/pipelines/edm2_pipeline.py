@@ -27,6 +27,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..layers import cached_weight_normalization
 from ..schedulers import EDMHeunScheduler
+from ..validation import check_number, check_number_sequence
 
 EDM_SCHEDULERS = (EDMHeunScheduler, EDMEulerScheduler, EDMDPMSolverMultistepScheduler)
 
@@ -51,6 +52,11 @@ def set_edm2_latent_scaling(
     per-channel scale ``final_std / std`` and bias ``-mean * final_std / std``.
     """
     channels = vae.config.latent_channels
+    latents_mean = check_number_sequence("latents_mean", latents_mean)
+    latents_std = check_number_sequence("latents_std", latents_std)
+    for i, value in enumerate(latents_std):
+        check_number(f"latents_std[{i}]", value, 0.0, low_inclusive=False)
+    check_number("final_std", final_std, 0.0, low_inclusive=False)
     if len(latents_mean) != channels or len(latents_std) != channels:
         raise ValueError(
             f"latents_mean and latents_std need {channels} values (the VAE's latent_channels), "
@@ -309,11 +315,12 @@ class EDM2Pipeline(DiffusionPipeline):
         shape = self._latent_shape(batch_size)
         if latents is None:
             latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
-        elif tuple(latents.shape) != shape:
-            raise ValueError(f"latents must have shape {shape}, got {tuple(latents.shape)}")
+        else:
+            self._check_latents(latents, shape)
         latents = latents.to(device=device, dtype=torch.float32) * self.scheduler.init_noise_sigma
 
         self._num_timesteps = len(timesteps)
+        finite_steps: dict[int, torch.Tensor] = {}  # step -> (network output finite, latents finite)
         # The networks' normalised weights are computed once per call, not once per evaluation (MPConv layers).
         with ExitStack() as weight_caches:
             for network in {id(n): n for n in (self.unet, self.guide_unet) if n is not None}.values():
@@ -328,9 +335,12 @@ class EDM2Pipeline(DiffusionPipeline):
                         raise ValueError(
                             f"guidance_scale={self.guidance_scale} (set during the call, before step {i}) needs a guide_unet"
                         )
+                    check_number("guidance_scale", self.guidance_scale)
                     guide = self._network_output(self.guide_unet, model_input, t, class_labels)
                     output = guide + self.guidance_scale * (output - guide)
                 latents = self.scheduler.step(output, t, latents, generator=generator).prev_sample.to(torch.float32)
+                # read once after the loop (no synchronisation per step): were the output and the new latents finite?
+                finite_steps[i] = torch.stack([output.isfinite().all(), latents.isfinite().all()])
                 if callback_on_step_end is not None:
                     callback_kwargs = {}
                     for name in callback_on_step_end_tensor_inputs:
@@ -339,10 +349,16 @@ class EDM2Pipeline(DiffusionPipeline):
                     latents = callback_outputs.pop("latents", latents)
                     class_labels = callback_outputs.pop("class_labels", class_labels)
 
+        self._check_finite_latents(latents, finite_steps, timesteps)
         if output_type == "latent":
             images = latents
         else:
             images = self.decode_latents(latents) if self.vae is not None else latents
+            if self.vae is not None and not bool(images.isfinite().all()):
+                raise ValueError(
+                    "the VAE decoded NaN or inf from finite latents: its weights hold NaN or inf, or it overflows in "
+                    f"{self.vae.dtype} (decode in float32: vae.to(torch.float32))"
+                )
             images = self.image_processor.postprocess(images.float(), output_type=output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
@@ -354,6 +370,7 @@ class EDM2Pipeline(DiffusionPipeline):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be a positive integer, got {num_inference_steps!r}")
+        check_number("guidance_scale", guidance_scale)
         if guidance_scale != 1.0 and self.guide_unet is None:
             raise ValueError(
                 f"guidance_scale={guidance_scale} needs a guide network: load the pipeline with guide_unet= "
@@ -367,3 +384,63 @@ class EDM2Pipeline(DiffusionPipeline):
             raise ValueError(
                 f"callback_on_step_end_tensor_inputs {unknown} are not available; choose from {self._callback_tensor_inputs}"
             )
+        if self.vae is not None and output_type != "latent":
+            self._check_latent_scaling()
+
+    def _check_latent_scaling(self) -> None:
+        """The VAE config's latent scaling (``z = x * latents_std / scaling_factor + latents_mean``) must be finite,
+        with a positive ``scaling_factor`` and positive ``latents_std``: a zero would decode NaN or inf."""
+        config = self.vae.config
+        check_number("vae.config.scaling_factor", config.scaling_factor, 0.0, low_inclusive=False)
+        if getattr(config, "shift_factor", None) is not None:
+            check_number("vae.config.shift_factor", config.shift_factor)
+        for key in ("latents_mean", "latents_std"):
+            values = getattr(config, key, None)
+            if values is not None:
+                for i, value in enumerate(values):
+                    low = 0.0 if key == "latents_std" else None
+                    check_number(f"vae.config.{key}[{i}]", value, low, low_inclusive=False)
+
+    @staticmethod
+    def _check_latents(latents: object, shape: tuple[int, ...]) -> None:
+        """Given initial noise: a real tensor of ``shape``, every value finite."""
+        if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
+            raise ValueError(f"latents must be a float tensor of shape {shape}, got {latents!r:.80}")
+        if tuple(latents.shape) != shape:
+            raise ValueError(f"latents must have shape {shape}, got {tuple(latents.shape)}")
+        if not bool(latents.isfinite().all()):
+            raise ValueError("latents hold NaN or inf: pass standard normal noise (or None to draw it)")
+
+    def _check_finite_latents(
+        self, latents: torch.Tensor, finite_steps: dict[int, torch.Tensor], timesteps: torch.Tensor
+    ) -> None:
+        """Raise ``ValueError`` naming the likely cause when sampling ended in NaN or inf (black images otherwise)."""
+        if bool(latents.isfinite().all()):
+            return
+        flags = {i: flag.tolist() for i, flag in finite_steps.items()}
+        bad = [i for i, (_, latents_finite) in flags.items() if not latents_finite]
+        if not bad:
+            raise ValueError("sampling ended in NaN or inf latents: a callback_on_step_end returned them")
+        step = bad[0]
+        where = f"at step {step} of {len(timesteps)} (timestep {float(timesteps[step]):.4g})"
+        if flags[step][0]:
+            cause = (
+                "from a finite network output, so the scheduler's update overflowed (check its sigma_min / "
+                "sigma_max) or a callback_on_step_end returned them"
+            )
+        else:
+            networks = [("unet", self.unet)] + ([("guide_unet", self.guide_unet)] if self.do_guidance else [])
+            broken = [
+                f"{owner}.{name}"
+                for owner, network in networks
+                for name, param in network.named_parameters()
+                if not bool(param.isfinite().all())
+            ]
+            if broken:
+                cause = f"the network's weights hold NaN or inf ({', '.join(broken[:3])})"
+            else:
+                cause = (
+                    f"the network output was NaN or inf (guidance_scale={self.guidance_scale}; a network in "
+                    f"{self.unet.dtype} may overflow: sample in float32)"
+                )
+        raise ValueError(f"sampling produced NaN or inf latents {where}: {cause}")

@@ -166,7 +166,10 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
         matching c_noise values ``ln(sigma) / 4`` (float32, on `device`).
         """
         num_inference_steps = check_count("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
-        t = self.step_sigmas(num_inference_steps)
+        try:
+            t = self.step_sigmas(num_inference_steps)
+        except OverflowError:  # sigma ** (1 / rho) beyond float64
+            t = torch.full((num_inference_steps + 1,), math.inf, dtype=torch.float64)
         self._check_schedule(t)
         self.num_inference_steps = num_inference_steps
         t_hat = t[:-1] * (1 + self.churn_gammas(t))
