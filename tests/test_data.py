@@ -2,6 +2,8 @@
 
 import gzip
 import hashlib
+import json
+import resource
 import struct
 import time
 from importlib import resources
@@ -11,6 +13,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from _forked import run_forked
 from PIL import Image
 
 from diffusers_scalelong import data
@@ -281,3 +284,64 @@ def test_center_crop_and_flip():
     flipped = sum(torch.equal(out, plain.flip(-1)) for out in outputs)
     unflipped = sum(torch.equal(out, plain) for out in outputs)
     assert flipped + unflipped == 200 and 70 < flipped < 130
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# gzip bombs
+
+
+def _bomb(path: Path, shape: tuple[int, ...], members: int) -> int:
+    """A gzip file: an IDX header declaring ``shape`` and its zero pixels, then ``members`` more gzip members of
+    16 MiB of zeros each (a multi-member gzip, one stream to a reader). Returns the inflated size in bytes."""
+    header = struct.pack(">I", (0x08 << 8) | len(shape)) + struct.pack(f">{len(shape)}I", *shape)
+    payload = int(np.prod(shape))
+    zeros = gzip.compress(bytes(16 << 20), compresslevel=9)  # ~16 KB
+    path.write_bytes(gzip.compress(header + bytes(payload)) + zeros * members)
+    return len(header) + payload + members * (16 << 20)
+
+
+def _grown_mb_loading(folder: Path) -> tuple[str, float]:
+    """Load the train split of ``folder`` in a forked child: the error it raised and how far its peak resident
+    memory grew above its resident memory at the start, in MB (``getrusage``; Linux counts KB)."""
+
+    def child() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            data.load_fashion_mnist_arrays(folder, "train")
+            message = "no error"
+        except ValueError as error:
+            message = str(error)
+        print(
+            json.dumps(
+                {"error": message, "grown_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}
+            )
+        )
+        return 0
+
+    status, output = run_forked(child)
+    assert status == 0, output
+    result = json.loads(output.strip().splitlines()[-1])
+    return result["error"], result["grown_mb"]
+
+
+def test_gzip_bomb_is_refused_before_it_inflates(small_idx):
+    """1.6 MB of gzip that inflates to 1.6 GB: only the size the IDX header declares (plus one byte) is inflated."""
+    folder, _ = small_idx
+    path = folder / "train-images-idx3-ubyte.gz"
+    inflated = _bomb(path, (5, 28, 28), members=100)
+    assert path.stat().st_size < 2_000_000 and inflated > 1_600_000_000
+    error, grown = _grown_mb_loading(folder)
+    assert str(path) in error and "does not match its header" in error
+    assert grown < 100, grown  # inflating it all takes 1600 MB; reading 4 KB of it, a few MB at most
+
+
+def test_idx_header_declaring_more_than_the_cap_is_refused_before_reading(small_idx):
+    folder, _ = small_idx
+    path = folder / "train-images-idx3-ubyte.gz"
+    _bomb(path, (1, 1, 1), members=0)
+    raw = bytearray(gzip.decompress(path.read_bytes()))
+    raw[4:16] = struct.pack(">3I", 400_000, 28, 28)  # 314 MB declared, 1 byte present
+    path.write_bytes(gzip.compress(bytes(raw)))
+    error, grown = _grown_mb_loading(folder)
+    assert "declares shape (400000, 28, 28) (313600000 bytes), more than the 268435456 bytes" in error
+    assert grown < 100, grown  # nothing of the declared size was allocated

@@ -9,11 +9,13 @@ Typical use::
         if step % 1000 == 0:
             ema.save_snapshots("phema", accelerator=accelerator)
     models = reconstruct_ema("phema", target_sigma_rels=[0.07, 0.12])
+    low, high = reachable_sigma_rel_range("phema")  # targets outside are refused unless allow_inexact=True
 
 Snapshot file format and naming: see ``diffusers_scalelong.ema.snapshots``. Modules: ``profiles`` (the power
-profiles and the least-squares solve), ``tracker`` (:class:`PowerFunctionEMA`), ``snapshots`` (files and their one
-header reader), ``reconstruct`` (target-time selection, plan, streaming reconstruction), ``hub_transfer`` (snapshot
-sets and reconstructed models through the Hub), ``cli`` (``scalelong-reconstruct-ema``) and ``plot``.
+profiles, the least-squares solve and the reachable range), ``tracker`` (:class:`PowerFunctionEMA`),
+``snapshots`` (files and their one header reader), ``model_check`` (a header's model against the file's tensors,
+built on ``meta`` first), ``reconstruct`` (target-time selection, plan, streaming reconstruction), ``hub_transfer``
+(snapshot sets and reconstructed models through the Hub), ``cli`` (``scalelong-reconstruct-ema``) and ``plot``.
 """
 
 from .hub_transfer import (
@@ -25,15 +27,21 @@ from .hub_transfer import (
     reconstruct_from_hub,
 )
 from .profiles import (
+    MAX_PROFILE_ERROR,
     MAX_SIGMA_REL,
+    MIN_SIGMA_REL,
     gamma_to_sigma_rel,
     profile_inner_products,
     sigma_rel_to_gamma,
     solve_profile_coefficients,
 )
 from .reconstruct import (
+    MAX_TARGETS,
+    InexactReconstructionWarning,
     ReconstructionPlan,
+    fit_error,
     plan_reconstruction,
+    reachable_sigma_rel_range,
     reconstruct_ema,
     resolve_model_class,
     save_planned_models,
@@ -48,14 +56,20 @@ from .snapshots import (
     read_snapshot_info,
     snapshot_filename,
 )
-from .tracker import PowerFunctionEMA, unwrap_model
+from .tracker import PowerFunctionEMA, check_sigma_rels, unwrap_model
 
 __all__ = [
+    "MAX_PROFILE_ERROR",
     "MAX_SIGMA_REL",
+    "MAX_TARGETS",
+    "MIN_SIGMA_REL",
+    "InexactReconstructionWarning",
     "PowerFunctionEMA",
     "ReconstructionPlan",
     "RemoteSnapshot",
     "SnapshotInfo",
+    "check_sigma_rels",
+    "fit_error",
     "gamma_to_sigma_rel",
     "list_remote_snapshots",
     "list_snapshots",
@@ -66,6 +80,7 @@ __all__ = [
     "pull_snapshots",
     "push_reconstruction",
     "push_snapshots",
+    "reachable_sigma_rel_range",
     "read_snapshot_info",
     "reconstruct_ema",
     "reconstruct_from_hub",

@@ -88,7 +88,9 @@ def check_model_matches(
 
 
 @functools.lru_cache(maxsize=16)
-def _meta_layout(model_class: str, config_json: str, num_tensors: int) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+def _meta_layout(
+    model_class: str, config_json: str, num_tensors: int
+) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
     """State-dict shapes and floating-point parameter names of the class built from the config on ``meta``."""
     cls = resolve_model_class(model_class)
     limit = _REGISTRATIONS_PER_TENSOR * num_tensors + _SLACK

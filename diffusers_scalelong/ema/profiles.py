@@ -165,6 +165,8 @@ def reachable_interval(
     return ends[0], ends[1]
 
 
-def _errors_on(times: Sequence[float], gammas: Sequence[float], target_time: float, sigma_rels: np.ndarray) -> np.ndarray:
+def _errors_on(
+    times: Sequence[float], gammas: Sequence[float], target_time: float, sigma_rels: np.ndarray
+) -> np.ndarray:
     target_gammas = [sigma_rel_to_gamma(s) for s in sigma_rels]
     return solve_profile_coefficients(times, gammas, [target_time] * len(target_gammas), target_gammas)[1]

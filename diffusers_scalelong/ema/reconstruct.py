@@ -386,7 +386,9 @@ def save_planned_models(
         raise ValueError(f"target sigma_rels must be distinct, got {plan.target_sigma_rels}")
     links = [str(d) for d in destinations if d.is_symlink()]
     if links:
-        raise ValueError(f"output folders are symbolic links (only real folders inside output_dir are written): {links}")
+        raise ValueError(
+            f"output folders are symbolic links (only real folders inside output_dir are written): {links}"
+        )
     existing = [str(d) for d in destinations if d.exists()]
     if existing and not overwrite:
         raise ValueError(f"output folders already exist (use overwrite): {existing}")
