@@ -144,6 +144,18 @@ def sample(pipeline: EDM2Pipeline, **kwargs):
     return pipeline(num_inference_steps=2, generator=torch.manual_seed(0), **kwargs).images
 
 
+def test_pipeline_refuses_diffusers_schedulers_with_unusable_sigmas():
+    refused(
+        lambda: EDM2Pipeline(unet=tiny_edm2(), scheduler=EDMEulerScheduler(sigma_max=1e200)),
+        r"scheduler.config.sigma_max must lie in \[1e-18, 1e\+18\]",
+    )
+    pipeline = pipe()
+    pipeline.scheduler = EDMEulerScheduler(sigma_min=1e-320)  # swapped in after construction: caught by the call
+    refused(lambda: sample(pipeline), r"the scheduler's timesteps hold NaN or inf: scheduler.config.sigma_min=1e-320")
+    pipeline.scheduler = EDMEulerScheduler()
+    assert np.isfinite(sample(pipeline)).all()
+
+
 @pytest.mark.parametrize("guidance_scale", [math.nan, math.inf])
 def test_pipeline_refuses_a_non_finite_guidance_scale(guidance_scale):
     pipeline = pipe(guide_unet=tiny_edm2())

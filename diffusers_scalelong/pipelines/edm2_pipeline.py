@@ -8,6 +8,7 @@ equals preconditioning ``F_w = F_g + w (F - F_g)``, which is what the pipeline p
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -27,7 +28,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..layers import cached_weight_normalization
 from ..schedulers import EDMHeunScheduler
-from ..validation import check_number, check_number_sequence
+from ..validation import SIGMA_RANGE, check_number, check_number_sequence, check_sigma
 
 EDM_SCHEDULERS = (EDMHeunScheduler, EDMEulerScheduler, EDMDPMSolverMultistepScheduler)
 
@@ -123,6 +124,8 @@ class EDM2Pipeline(DiffusionPipeline):
                 f"applies the EDM preconditioning; got {type(scheduler).__name__}. Convert a compatible config with "
                 "EDMHeunScheduler.from_config(scheduler.config)."
             )
+        for key in ("sigma_min", "sigma_max", "sigma_data"):  # diffusers' EDM schedulers take any float here
+            check_sigma(f"scheduler.config.{key}", scheduler.config[key])
         out_channels = getattr(unet.config, "out_channels", None) or unet.config.in_channels
         if out_channels != unet.config.in_channels:
             raise ValueError(
@@ -312,6 +315,7 @@ class EDM2Pipeline(DiffusionPipeline):
 
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         timesteps = self.scheduler.timesteps
+        self._check_schedule()
         shape = self._latent_shape(batch_size)
         if latents is None:
             latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
@@ -386,6 +390,17 @@ class EDM2Pipeline(DiffusionPipeline):
             )
         if self.vae is not None and output_type != "latent":
             self._check_latent_scaling()
+
+    def _check_schedule(self) -> None:
+        """The scheduler's noise levels and timesteps must be finite (diffusers' EDM schedulers compute them in
+        float32 from whatever sigmas their config holds, e.g. a scheduler swapped in after construction)."""
+        finite = bool(self.scheduler.timesteps.isfinite().all()) and bool(self.scheduler.sigmas.isfinite().all())
+        if not (finite and math.isfinite(float(self.scheduler.init_noise_sigma))):
+            config = self.scheduler.config
+            raise ValueError(
+                f"the scheduler's timesteps hold NaN or inf: scheduler.config.sigma_min={config.sigma_min} or "
+                f"sigma_max={config.sigma_max} leaves float32's range (use sigmas in [{SIGMA_RANGE[0]:g}, {SIGMA_RANGE[1]:g}])"
+            )
 
     def _check_latent_scaling(self) -> None:
         """The VAE config's latent scaling (``z = x * latents_std / scaling_factor + latents_mean``) must be finite,
