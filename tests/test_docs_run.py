@@ -8,13 +8,16 @@ to the local Hub of ``tests/hub_server.py`` through ``HF_ENDPOINT`` and ``HF_TOK
 the slow test installs the wheel into a fresh virtual environment first.
 """
 
+import importlib
 import os
+import re
+import shlex
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from _doc_blocks import doc_pages, page_blocks, parse_blocks, run_blocks
+from _doc_blocks import ROOT, doc_pages, page_blocks, parse_blocks, run_blocks
 from _wheel_venv import build_wheel, install_in_fresh_venv
 
 # The blocks that do not run, per page: checkout-only commands and package installs (see each marker's reason).
@@ -75,6 +78,30 @@ def test_page_blocks_run_from_the_installed_wheel(local_hub, tmp_path):
     for page in runnable_pages():
         folder = tmp_path / "pages" / page.replace("/", "_")
         run_page(page, bin_dir / "python", folder / "work", block_env(bin_dir, local_hub, folder / "hf"))
+
+
+# Inline commands (in backticks, not fenced) of the command-line tools whose parsers are cheap to build: they must parse.
+INLINE_COMMAND = re.compile(r"`(scalelong-[a-z0-9-]+(?: [^`]*)?)`")
+PARSERS = {
+    "scalelong-reconstruct-ema": "diffusers_scalelong.ema.cli:build_parser",
+    "scalelong-convert-edm2": "diffusers_scalelong.convert.cli:edm2_parser",
+    "scalelong-convert-uvit": "diffusers_scalelong.convert.cli:uvit_parser",
+}
+
+
+def test_inline_commands_parse():
+    checked = 0
+    for page in doc_pages():
+        for command in INLINE_COMMAND.findall((ROOT / page).read_text()):
+            program, *argv = shlex.split(command)
+            if program not in PARSERS or argv in ([], ["--help"]):  # a bare name, or the help
+                continue
+            module, factory = PARSERS[program].split(":")
+            parser = getattr(importlib.import_module(module), factory)()
+            parser.exit = parser.error = lambda *a, command=command, page=page: pytest.fail(f"{page}: `{command}`: {a}")
+            parser.parse_args(argv)
+            checked += 1
+    assert checked >= 3  # the conversion page's three commands at least
 
 
 # ---- the runner itself ----------------------------------------------------------------------------------------------
