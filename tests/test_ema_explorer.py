@@ -4,6 +4,10 @@ import filecmp
 import json
 import shutil
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -54,10 +58,10 @@ def test_source_finds_the_snapshots_of_a_training_folder_and_their_reach(run_fol
 
 
 def test_weighted_sum_in_memory_equals_reconstruct_ema_bit_for_bit_and_is_cached(run_folder, explorer):
-    for sigma_rel, time in ((0.08, 40), (0.06, 30), (SIGMA_RELS[1], 20)):
-        (expected,) = reconstruct_ema(run_folder / "train" / "ema_snapshots", [sigma_rel], time)
-        state = explorer.state_dict(sigma_rel, time)
-        assert _same(state, expected), (sigma_rel, time)
+    for sigma_rel, at in ((0.08, 40), (0.06, 30), (SIGMA_RELS[1], 20)):
+        (expected,) = reconstruct_ema(run_folder / "train" / "ema_snapshots", [sigma_rel], at)
+        state = explorer.state_dict(sigma_rel, at)
+        assert _same(state, expected), (sigma_rel, at)
     assert explorer.state_dict(0.08, 40) is explorer.state_dict(0.08, 40)
 
 
@@ -160,3 +164,28 @@ def test_command_line_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.startswith("scalelong-ema-explorer: error:") and expected in error and error.count("\n") == 1
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+@pytest.mark.slow  # a fresh process imports torch, diffusers and gradio: 15 s idle, a minute on a loaded machine
+def test_command_serves_the_page(run_folder, tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "diffusers_scalelong.ema.explorer.cli", str(run_folder), "--port", str(port)]
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
+                    page = response.read().decode()
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError(f"the command did not serve the page (exit {process.poll()})")
+        assert "post-hoc EMA explorer" in page
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        process.stdout.close()
