@@ -83,7 +83,7 @@ def test_images_smaller_than_the_resolution_are_found_among_all(tmp_path, monkey
     ("labels", "expected"),
     [
         ([0, 1, 0.9, 1], r"are floats \(float64; row #2 is 0.9\)"),
-        ([0.0, 1.0, 2.0, 1.0], r"are floats \(float64; row #0 is 0.0\)"),  # integral floats: still not stored as classes
+        ([0.0, 1.0, 2.0, 1.0], r"are floats \(float64; row #0 is 0.0\)"),  # integral, yet not stored as classes
         ([0, 1, -1, 1], "row #2 of .* has label -1, outside the classes 0 to 1; -1 is how datasets marks"),
         ([0, 1, None, 1], "row #2 of .* has no label"),
         (["cat", "dog", "cat", "dog"], "holds Value\\('string'\\), not class labels"),
