@@ -175,6 +175,20 @@ def test_a_hostile_header_pulled_from_the_hub_is_refused_before_a_model_is_built
     assert not (tmp_path / "out").exists()
 
 
+def test_tensors_added_after_construction_reconstruct_but_do_not_build_a_model(tmp_path):
+    """LS gates added to a plain diffusers UNet (apply_lsc) are in the snapshots but not in the class's config: the
+    state_dicts are reconstructed, and writing model folders says why it cannot build the model."""
+    from diffusers_scalelong import apply_lsc
+
+    torch.manual_seed(0)
+    folder = _train(apply_lsc(UNet2DModel(**TINY_UNET), "ls"), tmp_path / "snapshots", range(10, 31, 10))
+    (state,) = reconstruct_ema(folder, [0.07])
+    assert any(key.startswith("lsc.gates.") for key in state)
+    with pytest.raises(ValueError, match=r"tensors that a UNet2DModel built from their config lacks \(e.g. 'lsc"):
+        save_reconstructed_models(folder, tmp_path / "out", [0.07])
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------- gamma and copied_keys edits
 def test_an_edited_gamma_is_refused_with_or_without_a_recomputed_header_checksum(unet, tmp_path):
     folder = _copy(unet, tmp_path)

@@ -29,9 +29,9 @@ dies, so the partial file itself is not reused across processes).
 
 Only regular files inside the folder a caller names are uploaded: the files to send are checked before anything is
 read or sent, and a symbolic link (even one pointing inside; for a model folder anywhere under it), a device,
-socket or pipe is refused with a ``ValueError`` naming it. Pulled snapshots get the header checks of :func:`~diffusers_scalelong.ema.snapshots.
-read_snapshot_info` (the header's model built on the ``meta`` device and compared with the file's tensors) before
-they are returned, and index entries must carry the ``gamma`` of their ``sigma_rel``.
+socket or pipe is refused with a ``ValueError`` naming it. Pulled snapshots get every header check of
+``read_snapshot_info`` (the header's model built on the ``meta`` device and compared with the file's tensors)
+before they are returned, and index entries must carry the ``gamma`` of their ``sigma_rel``.
 
 All functions take ``endpoint`` and ``token`` (``None``: the ``huggingface_hub`` defaults, ``HF_ENDPOINT`` / saved
 login); an endpoint that cannot be reached raises ``diffusers_scalelong.hub.HubAccessError`` naming it.

@@ -3,10 +3,10 @@
 A snapshot header records ``model_class`` and ``model_config``; the file holds the tensors. A header edited to a
 larger config would make ``from_config`` allocate a model far larger than the file (hundreds of KB of snapshot,
 GB of weights). So the class is first built on the ``meta`` device (shapes only, no memory for tensors) while the
-number of parameters, buffers and submodules it registers is capped by the number of tensors in the file; its
-``state_dict`` must then have exactly the file's keys and shapes, and the file's ``copied_keys`` must be exactly
-the entries that are not floating-point parameters (the buffers the tracker copies). Only then is a real model
-built. The expected layout is cached per (class, config).
+number of parameters, buffers and submodules it registers is capped by the number of tensors in the file; every
+entry of its ``state_dict`` must then be in the file with the same shape, and in the file's ``copied_keys``
+exactly when it is not a floating-point parameter (the buffers the tracker copies). A real model built from the
+config is then no larger than the file's tensors. The expected layout is cached per (class, config).
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ def check_model_matches(
     shapes: Mapping[str, Sequence[int]],
     copied_keys: Sequence[str],
     where: str,
-) -> None:
-    """Raise ``ValueError`` naming ``where`` unless ``model_class(**model_config)`` has exactly the tensors
-    ``shapes`` and its non-float-parameter entries are exactly ``copied_keys``; nothing is allocated for tensors."""
+) -> tuple[str, ...]:
+    """Raise ``ValueError`` naming ``where`` unless every tensor of ``model_class(**model_config)`` is in the file
+    (``shapes``) with its shape, and is in ``copied_keys`` exactly when it is not a floating-point parameter;
+    nothing is allocated for tensors. Returns the file's keys that the class does not build (e.g. LS gates added
+    to a plain diffusers UNet with ``apply_lsc``): a model built from the config cannot load those."""
     if not isinstance(model_config, Mapping):
         raise ValueError(f"{where}: model_config must be a JSON object for model class {model_class!r}")
     try:
@@ -70,21 +72,22 @@ def check_model_matches(
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     file_shapes = {key: tuple(shape) for key, shape in shapes.items()}
-    differing = sorted(k for k in set(expected) | set(file_shapes) if expected.get(k) != file_shapes.get(k))
+    differing = sorted(key for key in expected if expected[key] != file_shapes.get(key))
     if differing:
         key = differing[0]
         raise ValueError(
             f"{where}: its model_config builds a {model_class.rpartition('.')[2]} whose tensors differ from the file's "
-            f"({len(differing)} entries differ, e.g. {key!r}: config {expected.get(key)}, file {file_shapes.get(key)}); "
+            f"({len(differing)} entries differ, e.g. {key!r}: config {expected[key]}, file {file_shapes.get(key)}); "
             "refusing to build it"
         )
-    copied = set(expected) - averaged
-    if set(copied_keys) != copied or len(copied_keys) != len(copied):
-        wrong = sorted(set(copied_keys) ^ copied)
+    copied = set(copied_keys)
+    wrong = sorted(key for key in expected if (key in copied) == (key in averaged))
+    if wrong:
         raise ValueError(
             f"{where}: copied_keys do not match the buffers of {model_class.rpartition('.')[2]} "
-            f"({len(wrong)} entries differ, e.g. {wrong[:1]}); the header was edited or the file is damaged"
+            f"({len(wrong)} entries differ, e.g. {wrong[0]!r}); the header was edited or the file is damaged"
         )
+    return tuple(key for key in file_shapes if key not in expected)
 
 
 @functools.lru_cache(maxsize=16)

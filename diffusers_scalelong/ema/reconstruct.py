@@ -377,6 +377,14 @@ def save_planned_models(
     dtype, accumulate_dtype = storage_dtype(dtype), _accumulate_dtype(accumulate_dtype)
     info = plan.snapshots[-1]
     model_class = resolve_model_class(info.model_class) if info.model_class else None
+    if model_class is not None:
+        extra = check_model_matches(info.model_class, info.model_config, info.shapes, info.copied_keys, str(info.path))
+        if extra:
+            raise ValueError(
+                f"the snapshots hold {len(extra)} tensors that a {model_class.__name__} built from their config lacks "
+                f"(e.g. {extra[0]!r}: added after it was built, as apply_lsc adds LS gates); use reconstruct_ema and "
+                "load the state_dicts into such a model"
+            )
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"output_dir {output_dir} exists and is not a folder")
