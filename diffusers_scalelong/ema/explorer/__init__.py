@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from .session import Explorer, Grid
-from .source import MAX_PROFILE_ERROR, SnapshotSource
+from .source import SnapshotSource
 
-__all__ = ["MAX_PROFILE_ERROR", "Explorer", "Grid", "SnapshotSource", "build_app", "launch"]
+__all__ = ["Explorer", "Grid", "SnapshotSource", "build_app", "launch"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,8 +6,9 @@ snapshots a target needs are downloaded, as :func:`~diffusers_scalelong.ema.reco
 
 A target at time ``T`` combines the snapshots with ``0 < t_i <= T`` (EDM2 Algorithm 3); its fit error is the
 relative L2 distance ``||sum_i x_i p_i - p_target|| / ||p_target||`` between the combined and the wanted profile.
-A target is *reachable* when that error is at most ``max_profile_error``; further out the least-squares weights
-grow large and the reconstruction no longer averages the trajectory it claims to.
+A target is *reachable* when that error is at most ``MAX_PROFILE_ERROR`` (0.1, the bound
+:func:`~diffusers_scalelong.ema.plan_reconstruction` applies; see ``profiles``); further out the least-squares
+weights grow large and the reconstruction no longer averages the trajectory it claims to.
 """
 
 from __future__ import annotations
@@ -24,16 +25,12 @@ from typing import Any
 import numpy as np
 
 from ..hub_transfer import DEFAULT_PATH_IN_REPO, list_remote_snapshots, pull_snapshots
-from ..profiles import MAX_SIGMA_REL, sigma_rel_to_gamma, solve_profile_coefficients
+from ..profiles import MAX_PROFILE_ERROR, reachable_interval, sigma_rel_to_gamma, solve_profile_coefficients
 from ..reconstruct import ReconstructionPlan, plan_reconstruction
 from ..snapshots import SnapshotInfo, list_snapshots
 
-#: Default bound on the fit error of a reachable target (10% of the target profile's L2 norm).
-MAX_PROFILE_ERROR = 0.1
 SNAPSHOT_SUBFOLDERS = ("", "ema_snapshots", "train/ema_snapshots")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# sigma_rel values tried when looking for the reachable range: fine enough for a slider with 3 decimals.
-_SIGMA_GRID = np.geomspace(0.002, MAX_SIGMA_REL * 0.999, 400)
 
 
 def find_snapshot_folder(folder: Path) -> Path:
@@ -65,11 +62,7 @@ class SnapshotSource:
         cache_dir: str | os.PathLike | None = None,
         endpoint: str | None = None,
         token: str | bool | None = None,
-        max_profile_error: float = MAX_PROFILE_ERROR,
     ) -> None:
-        if not (isinstance(max_profile_error, (int, float)) and 0 < max_profile_error < 1):
-            raise ValueError(f"max_profile_error must be in (0, 1), got {max_profile_error!r}")
-        self.max_profile_error = float(max_profile_error)
         self.hub_options = dict(
             path_in_repo=path_in_repo, revision=revision, cache_dir=cache_dir, endpoint=endpoint, token=token
         )
@@ -140,15 +133,16 @@ class SnapshotSource:
         """
         gamma = sigma_rel_to_gamma(sigma_rel)
         used = sorted(snapshots if snapshots is not None else self._used(time), key=lambda e: (e.time, e.sigma_rel))
-        coefficients, errors = solve_profile_coefficients(
-            [e.time for e in used], [e.gamma for e in used], [time], [gamma]
-        )
-        if errors[0] > self.max_profile_error:
+        with np.errstate(invalid="ignore", divide="ignore"):  # a target no snapshot overlaps: NaN, refused below
+            coefficients, errors = solve_profile_coefficients(
+                [e.time for e in used], [e.gamma for e in used], [time], [gamma]
+            )
+        if not errors[0] <= MAX_PROFILE_ERROR:
             reach = self.reachable_range(time)
             where = f"reachable at time {time}: {reach[0]:.3f} to {reach[1]:.3f}" if reach else "none at that time"
             raise ValueError(
                 f"sigma_rel={sigma_rel:g} at time {time} is out of reach of the snapshots: the best fit of its profile "
-                f"is off by {errors[0]:.1%} (at most {self.max_profile_error:.0%} allowed; {where})"
+                f"is off by {errors[0]:.1%} (at most {MAX_PROFILE_ERROR:.0%} allowed; {where})"
             )
         return ReconstructionPlan(int(time), (float(sigma_rel),), (gamma,), tuple(used), coefficients, errors)
 
@@ -156,14 +150,11 @@ class SnapshotSource:
     def reachable_range(self, time: int) -> tuple[float, float] | None:
         """``(lowest, highest)`` sigma_rel (3 decimals, rounded inwards) reachable at ``time``, or ``None``."""
         used = self._used(time)
-        gammas = [sigma_rel_to_gamma(s) for s in _SIGMA_GRID]
-        _, errors = solve_profile_coefficients(
-            [e.time for e in used], [e.gamma for e in used], [time] * len(gammas), gammas
-        )
-        ok = _SIGMA_GRID[errors <= self.max_profile_error]
-        if len(ok) == 0:
+        with np.errstate(invalid="ignore", divide="ignore"):  # between snapshot times some targets fit nothing
+            span = reachable_interval([e.time for e in used], [e.gamma for e in used], time)
+        if span is None:
             return None
-        low, high = math.ceil(ok.min() * 1000) / 1000, math.floor(ok.max() * 1000) / 1000
+        low, high = math.ceil(span[0] * 1000) / 1000, math.floor(span[1] * 1000) / 1000
         return (low, high) if low <= high else None
 
     def local_snapshots(self, time: int) -> list[SnapshotInfo]:
@@ -193,12 +184,6 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     hub.add_argument("--revision", default=None, help="branch, tag or commit of the repo")
     hub.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or the Hub)")
     hub.add_argument("--cache_dir", default=None, help="Hub cache folder for the downloaded snapshots")
-    parser.add_argument(
-        "--max_profile_error",
-        type=float,
-        default=MAX_PROFILE_ERROR,
-        help="largest relative L2 error of a reconstructed EMA profile that counts as reachable",
-    )
 
 
 def source_from_args(args: argparse.Namespace) -> SnapshotSource:
@@ -210,5 +195,4 @@ def source_from_args(args: argparse.Namespace) -> SnapshotSource:
         revision=args.revision,
         cache_dir=args.cache_dir,
         endpoint=args.endpoint,
-        max_profile_error=args.max_profile_error,
     )
