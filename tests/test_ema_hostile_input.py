@@ -39,7 +39,7 @@ from diffusers_scalelong.ema.cli import main as cli_main
 from diffusers_scalelong.ema.plot import profile_values
 from diffusers_scalelong.ema.snapshots import header_sha256
 from diffusers_scalelong.integrity import IntegrityError
-from tests._tiny_models import TINY_UNET
+from tests._tiny_models import TINY_EDM2_UNET, TINY_UNET
 
 SIGMA_RELS = (0.05, 0.10)
 # The tiny UNet's config blown up: 0.66 G parameters (2.6 GB in float32) from 1 MB of snapshots.
@@ -173,6 +173,35 @@ def test_a_hostile_header_pulled_from_the_hub_is_refused_before_a_model_is_built
     assert "whose tensors differ from the file's" in error and "\n" not in error
     assert grown < 150, grown  # as above: a real model of this config is 2600 MB
     assert not (tmp_path / "out").exists()
+
+
+def _family(name: str) -> nn.Module:
+    from diffusers_scalelong.models import EDM2UNet2DModel, ScaleLongUNet2DModel, UViT2DModel
+
+    torch.manual_seed(0)
+    return {
+        "scalelong-ls": lambda: ScaleLongUNet2DModel(**TINY_UNET, lsc_method="ls"),
+        "edm2": lambda: EDM2UNet2DModel(**TINY_EDM2_UNET),
+        "uvit-ls": lambda: UViT2DModel(
+            sample_size=8, patch_size=2, in_channels=1, embed_dim=16, depth=2, num_heads=2, lsc_method="ls"
+        ),
+    }[name]()
+
+
+@pytest.mark.parametrize("family", ["scalelong-ls", "edm2", "uvit-ls"])
+def test_every_model_family_passes_the_header_check_and_loads(tmp_path, family):
+    """The meta-device check accepts the snapshots of each network the package trains (gates, buffers included)."""
+    model = _family(family)
+    keys = model.state_dict(keep_vars=True)
+    assert (
+        any("lsc.gates" in key for key in keys)
+        if family.endswith("-ls")
+        else len(keys) > len(dict(model.named_parameters()))
+    )
+    folder = _train(model, tmp_path / "snapshots", range(10, 31, 10))
+    (written,) = save_reconstructed_models(folder, tmp_path / "out", [0.07])
+    loaded = type(model).from_pretrained(written)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
 
 
 def test_tensors_added_after_construction_reconstruct_but_do_not_build_a_model(tmp_path):
