@@ -275,6 +275,10 @@ def test_preconditioner_refuses_bad_parts():
         (lambda: ScaleLongUNet2DConditionModel(**{**CONDITION, "sample_size": 0}), "sample_size must be an integer"),
         (lambda: ScaleLongUNet2DConditionModel(**{**CONDITION, "block_out_channels": (0, 16)}), "block_out_channels"),
         (lambda: ScaleLongUNet2DConditionModel(**{**CONDITION, "layers_per_block": (1, 0)}), r"layers_per_block\[1\]"),
+        (lambda: ScaleLongUNet2DConditionModel(**{**CONDITION, "cross_attention_dim": 0}), "cross_attention_dim must"),
+        (lambda: ScaleLongUNet2DModel(**{**TINY_UNET, "time_embedding_dim": 0}), "time_embedding_dim must be None or"),
+        (lambda: ScaleLongUNet2DModel(**{**TINY_UNET, "time_embedding_dim": 10**7}), "at least 1e\\+14 parameters"),
+        (lambda: ScaleLongUNet2DModel(**{**TINY_UNET, "num_class_embeds": 10**11}), "at least 3.2e\\+12 parameters"),
         (lambda: EDM2UNet2DModel(**{**TINY_EDM2_UNET, "sample_size": 0}), "sample_size must be an integer in"),
         (lambda: EDM2UNet2DModel(**{**TINY_EDM2_UNET, "sample_size": 10**6}), r"sample_size must be an integer in"),
         (lambda: EDM2UNet2DModel(**{**TINY_EDM2_UNET, "model_channels": 0}), "model_channels must be an integer in"),
@@ -311,8 +315,13 @@ def test_parameter_counts_from_the_config_are_lower_bounds_of_the_built_networks
     (else a buildable config could be refused), and should be near it (else the cap would mean little)."""
     conv = ScaleLongUNet2DModel(**{**TINY_UNET, "block_out_channels": (16, 32)})
     floor = conv_unet_parameter_floor((16, 32), (1, 1)) + 9 * 16 * 2
-    # the floor counts one of each resnet's two convolutions, no time embedding and no resampling: 4.7x measured
+    floor += 64 * 64  # the time embedding's second layer, 4 * 16 wide
+    # the floor counts one of each resnet's two convolutions, one time embedding layer and no resampling: 4.2x measured
     assert floor <= parameters(conv) < 6 * floor
+    condition = ScaleLongUNet2DConditionModel(**CONDITION)
+    floor = conv_unet_parameter_floor((8, 16), (1, 1)) + 9 * 8 * 8 + 32 * 32 + 2 * 8 * 8  # cross-attention: 8 -> 8
+    # one conv per resnet, one time layer, one cross-attention's to_k/to_v (transformers otherwise left out): 5.0x measured
+    assert floor <= parameters(condition) < 6 * floor
     edm2 = EDM2UNet2DModel(**{**TINY_EDM2_UNET, "model_channels": 16, "num_class_embeds": 10})
     widths, emb = (16, 32), 32
     floor = conv_unet_parameter_floor(widths, (1, 1)) + emb * (16 + 10) + 9 * 16 * (1 + 1 + 1)

@@ -44,6 +44,9 @@ def check_conv_unet_config(
     dropout: object,
     num_class_embeds: object,
     attention_head_dim: object = None,
+    time_embedding_dim: object = None,
+    cross_attention_dim: object = None,
+    down_block_types: Sequence[str] = (),
 ) -> None:
     """The sizes of a diffusers conv UNet (``UNet2DModel``, ``UNet2DConditionModel``) that diffusers leaves to fail
     with a ZeroDivisionError, a negative-size tensor or an allocation error; the rest is diffusers' to check."""
@@ -62,8 +65,14 @@ def check_conv_unet_config(
     classes = check_optional_count("num_class_embeds", num_class_embeds) or 0
     if attention_head_dim is not None:
         _per_level("attention_head_dim", attention_head_dim, len(widths))
-    # 3x3 conv_in / conv_out, and a class embedding of width 4 * block_out_channels[0] (diffusers' time embedding)
-    ends = 9 * widths[0] * (in_channels + out_channels) + classes * 4 * widths[0]
+    time_width = check_optional_count("time_embedding_dim", time_embedding_dim) or 4 * widths[0]
+    check_count("time_embedding_dim", time_width, 1, MAX_PARAMETERS)
+    # 3x3 conv_in / conv_out, the time embedding's second linear layer, a class embedding of the time width
+    ends = 9 * widths[0] * (in_channels + out_channels) + time_width * (time_width + classes)
+    if cross_attention_dim is not None:
+        cross = max(_per_level("cross_attention_dim", cross_attention_dim, len(widths)))
+        if any("CrossAttn" in block for block in down_block_types):  # to_k and to_v: cross -> width, at least once
+            ends += 2 * cross * min(widths)
     check_parameter_count(owner, conv_unet_parameter_floor(widths, layers) + ends)
 
 

@@ -66,6 +66,7 @@ class ScaleLongUNet2DModel(LegacyAutoMapMixin, ConvLongSkipsMixin, LongSkipScali
     ):
         check_conv_unet_config(
             "ScaleLongUNet2DModel",
+            time_embedding_dim=time_embedding_dim,
             sample_size=sample_size,
             in_channels=in_channels,
             out_channels=out_channels,
@@ -183,6 +184,9 @@ class ScaleLongUNet2DConditionModel(
     ):
         check_conv_unet_config(
             "ScaleLongUNet2DConditionModel",
+            time_embedding_dim=time_embedding_dim,
+            cross_attention_dim=cross_attention_dim,
+            down_block_types=down_block_types,
             sample_size=sample_size,
             in_channels=in_channels,
             out_channels=out_channels,
