@@ -445,3 +445,11 @@ def test_every_refusal_is_one_cli_line_and_writes_nothing(unet, plain, tmp_path,
     line = _one_line_cli_error(capsys, [str(folder), "--sigma_rel", *targets, "--output_dir", str(output)])
     assert match in line
     assert not output.exists()
+
+
+def test_an_oversized_header_record_is_refused_before_it_is_parsed(plain, tmp_path):
+    folder = _copy(plain, tmp_path)
+    victim = folder / "phema-0000000010-0.050.safetensors"
+    _edit_header(victim, lambda meta: meta.update(padding="x" * (5 << 20)))  # a 5 MiB record
+    with pytest.raises(ValueError, match="more than the 4194304 a snapshot header may hold"):
+        list_snapshots(folder)

@@ -295,8 +295,8 @@ def reconstruct_from_hub(
 
     Without ``output_dir``: the ``state_dict``s from :func:`~diffusers_scalelong.ema.reconstruct_ema`. With it:
     model folders written by :func:`~diffusers_scalelong.ema.save_reconstructed_models` (ready for
-    :func:`push_reconstruction`). ``reconstruct_kwargs`` (``dtype``, ``accumulate_dtype``, ``progress``, ...) are
-    passed on.
+    :func:`push_reconstruction`). ``reconstruct_kwargs`` (``dtype``, ``accumulate_dtype``, ``progress``,
+    ``allow_inexact``, ...) are passed on.
     """
     from .reconstruct import reconstruct_ema, save_reconstructed_models
 

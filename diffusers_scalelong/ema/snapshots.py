@@ -71,6 +71,9 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # with Newton steps: ~1e-15 relative, whatever the platform's LAPACK); 1e-9 leaves room for that and still refuses
 # any edit that would move a weight (a 1e-9 change of gamma moves the profile by ~1e-9 of its width).
 _GAMMA_RTOL = 1e-9
+# Longest header record read: a diffusers config is a few KB and copied_keys ~80 characters per tensor, so 4 MiB
+# holds the record of a model with tens of thousands of tensors; a longer one is refused before it is parsed.
+_MAX_METADATA_CHARS = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,11 @@ def parse_snapshot_metadata(header: dict[str, str], where: str) -> dict[str, Any
     """
     if METADATA_KEY not in header:
         raise ValueError(f"snapshot file {where} has no '{METADATA_KEY}' metadata (not written by PowerFunctionEMA?)")
+    if len(header[METADATA_KEY]) > _MAX_METADATA_CHARS:
+        raise ValueError(
+            f"snapshot file {where} has a '{METADATA_KEY}' record of {len(header[METADATA_KEY])} characters, more than "
+            f"the {_MAX_METADATA_CHARS} a snapshot header may hold"
+        )
     try:
         meta = json.loads(header[METADATA_KEY])
         if not isinstance(meta, dict):
