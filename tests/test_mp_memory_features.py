@@ -117,8 +117,10 @@ def test_layerwise_casting_training(storage_dtype, compute_dtype):
             assert param.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("storage_dtype", [torch.bfloat16, torch.float16, FLOAT8], ids=str)
-def test_layerwise_casting_training_equals_full_precision_training_of_the_stored_values(storage_dtype):
+@pytest.mark.parametrize(
+    "storage_dtype, checkpointing", [(torch.bfloat16, False), (torch.float16, False), (FLOAT8, False), (FLOAT8, True)]
+)
+def test_layerwise_casting_training_equals_full_precision_training_of_the_stored_values(storage_dtype, checkpointing):
     """Independent reference: a float32 model holding the same (rounded) weights, trained the ordinary way (the
     forced weight normalisation projects its stored weights in place). Outputs and every gradient are equal bit for
     bit: the functional projection computes the same float32 values, and the gradient passes through it unchanged."""
@@ -129,6 +131,8 @@ def test_layerwise_casting_training_equals_full_precision_training_of_the_stored
             if name in layer_weights(model):
                 param.copy_(param.to(storage_dtype).to(torch.float32))
     model.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=torch.float32)
+    if checkpointing:  # the backward recomputes each block's forward, hooks and functional projection included
+        model.enable_gradient_checkpointing()
     before = stored_bits(model)
     x, t, labels = inputs()
     outputs = []

@@ -39,6 +39,8 @@ class EDM2Loss:
     the batch. Without an uncertainty head ``u = 0`` and this is the EDM loss. Defaults: ImageNet-512 latents
     (``P_mean=-0.4, P_std=1.0``); ImageNet-64 pixels use ``-0.8, 1.6``. ``sigma_data`` (of ``w``) is the
     denoiser's own ``.sigma_data`` unless given here (e.g. for a denoiser wrapped by DistributedDataParallel).
+    ``exp(P_mean +- 6 P_std)`` must stay within ``[1e-18, 1e18]`` (``SIGMA_RANGE``), the noise levels the
+    preconditioning computes in float32.
     """
 
     def __init__(self, P_mean: float = -0.4, P_std: float = 1.0, sigma_data: float | None = None):

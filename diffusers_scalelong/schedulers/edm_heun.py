@@ -66,7 +66,8 @@ class EDMHeunScheduler(SchedulerMixin, ConfigMixin):
     Args:
         sigma_min: smallest sigma of the schedule (EDM: 0.002).
         sigma_max: largest sigma of the schedule and the initial noise level (EDM: 80).
-        sigma_data: standard deviation of the data, used by the preconditioning (EDM: 0.5).
+        sigma_data: standard deviation of the data, used by the preconditioning (EDM: 0.5). The three sigmas must lie
+            in ``[1e-18, 1e18]``, where their squares stay normal float32 numbers (``SIGMA_RANGE``).
         sigma_schedule: ``"karras"`` (EDM, with `rho`) or ``"exponential"`` (log-linear), as in `EDMEulerScheduler`.
         num_train_timesteps: kept for configuration compatibility with the other EDM schedulers.
         prediction_type: ``"epsilon"`` (``D = c_skip x + c_out F``, the EDM/EDM2 network) or ``"v_prediction"``
