@@ -6,17 +6,21 @@ Slow: it builds from a clean ``git clone`` (committed files only) and installs t
 ``PIP_FIND_LINKS`` to a folder of local wheels (e.g. a CPU build of torch) to keep pip from downloading them.
 """
 
+import zipfile
+
 import pytest
 from _wheel_venv import build_wheel, install_in_fresh_venv, run
 
-from diffusers_scalelong.hub.cards import INSTALL
+from diffusers_scalelong.hub.cards import INSTALL, PROJECT_URL
 
 
 @pytest.mark.slow
 def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     source, environment, work = (tmp_path / name for name in ("source", "venv", "work"))
     wheel = build_wheel(tmp_path)
-    assert f"pip install {wheel.name}" in INSTALL  # the install line of the cards names the file pip wheel writes
+    metadata = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info/METADATA")
+    assert f"Name: {INSTALL.split()[-1]}" in metadata.decode()  # the cards' install line names this distribution
+    assert f"Project-URL: Homepage, {PROJECT_URL}" in metadata.decode()  # and the cards' project URL is its own
     bin_dir = install_in_fresh_venv(wheel, environment)
     work.mkdir()
     assert run([bin_dir / "scalelong-train", "--help"], work, 300).startswith("usage:")
