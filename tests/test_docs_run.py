@@ -54,7 +54,8 @@ def test_every_block_runs_or_says_why_not():
     blocks = [block for page in doc_pages() for block in page_blocks(page)]
     assert {block.language for block in blocks} <= {"python", "bash"}, [(b.where, b.language) for b in blocks]
     not_run = [block for block in blocks if block.not_run is not None]
-    assert all(len(block.not_run) > 10 for block in not_run), [(b.where, b.not_run) for b in not_run]
+    # a reason is a phrase ("installs packages into ..."), not an empty marker or a single word
+    assert all(len(block.not_run.split()) >= 3 for block in not_run), [(b.where, b.not_run) for b in not_run]
     counts: dict[str, int] = {}
     for block in not_run:
         counts[block.page] = counts.get(block.page, 0) + 1
