@@ -1,5 +1,6 @@
 """One writer per output folder: the lock a run holds on it, tested with real processes."""
 
+import gc
 import os
 import shutil
 import signal
@@ -71,6 +72,17 @@ def test_the_lock_is_released_when_the_run_closes_or_is_refused(tmp_path):
             start_run(tmp_path, None, False, is_main_process=True)
     run = start_run(tmp_path, None, False, is_main_process=True)
     del run  # a run never closed releases the folder when it is garbage-collected
+    gc.disable()  # the cycle below is collected by start_run, not by chance
+    try:
+        cycle = [start_run(tmp_path, None, False, is_main_process=True)]
+        cycle.append(cycle)  # reclaimed only by the cycle collector (as through an exception's traceback)
+        del cycle
+        kept = start_run(tmp_path, None, False, is_main_process=True)
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match="that is this process: an earlier run in it is still open"):
+        start_run(tmp_path, None, False, is_main_process=True)  # a run still referenced is not collected
+    kept.close()
     write_earlier_run(tmp_path / "out")
     with pytest.raises(ValueError, match="already holds another training run"):
         start_run(tmp_path / "out", None, False, is_main_process=True)

@@ -8,11 +8,13 @@ does not exist (Windows) the folder is not locked and a warning says so.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 
 try:
@@ -21,6 +23,7 @@ except ImportError:  # not a POSIX system
     fcntl = None
 
 LOCK_FILE = ".run.lock"
+_SELF = "; that is this process: an earlier run in it is still open (close it)"
 logger = logging.getLogger(__name__)
 
 
@@ -29,17 +32,17 @@ class FolderLock:
 
     def __init__(self, folder: Path, descriptor: int | None):
         self.folder = folder
-        self._descriptor = descriptor
+        self._close = weakref.finalize(self, os.close, descriptor) if descriptor is not None else None
 
     @property
     def held(self) -> bool:
-        return self._descriptor is not None
+        return self._close is not None and self._close.alive
 
     def release(self) -> None:
-        """Let another run write into the folder (closing the file drops the lock). Safe to call twice."""
-        descriptor, self._descriptor = self._descriptor, None
-        if descriptor is not None:
-            os.close(descriptor)
+        """Let another run write into the folder (closing the file drops the lock; so does garbage collection of
+        this object). Safe to call twice."""
+        if self._close is not None:
+            self._close()
 
     def __enter__(self) -> FolderLock:
         return self
@@ -56,9 +59,20 @@ def _holder(path: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError):  # not written yet, or by something else
         return "its holder is not recorded"
     mine = pid == os.getpid() and host == socket.gethostname()
-    return f"pid {pid} on host {host}, since {since}" + (
-        "; that is this process: an earlier run in it is still open" if mine else ""
-    )
+    return f"pid {pid} on host {host}, since {since}" + (_SELF if mine else "")
+
+
+def _lock_or_collect(descriptor: int, path: Path) -> None:
+    """``flock`` without waiting; when this very process is the holder, collect garbage and try once more: a lock
+    whose owner is unreachable (e.g. kept by a reference cycle through an exception's traceback) is released by the
+    owner's finalizer, while one still in use stays held."""
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if not _holder(path).endswith(_SELF):
+            raise
+        gc.collect()
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def lock_folder(folder: str | os.PathLike, option: str = "--output_dir") -> FolderLock:
@@ -77,7 +91,7 @@ def lock_folder(folder: str | os.PathLike, option: str = "--output_dir") -> Fold
     except OSError as error:
         raise ValueError(f"{option} {str(folder)!r}: cannot open the lock file {LOCK_FILE}: {error}") from error
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock_or_collect(descriptor, path)
     except BlockingIOError:
         os.close(descriptor)
         raise ValueError(
