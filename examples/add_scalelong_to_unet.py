@@ -14,7 +14,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 import diffusers_scalelong  # noqa: F401  (registers the plugin classes for from_pretrained)
-from diffusers_scalelong.scalelong import LSC_METHODS, load_pretrained_unet
+from diffusers_scalelong.models import load_pretrained_unet
+from diffusers_scalelong.scalelong import LSC_METHODS
 
 
 def main() -> None:

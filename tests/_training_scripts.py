@@ -52,7 +52,8 @@ def load_script_module(script: Path):
 
 
 def _without_run_id(metadata: dict[str, str] | None) -> dict:
-    """Header metadata with JSON values parsed and their ``run_id`` removed."""
+    """Header metadata with JSON values parsed and their ``run_id`` removed (with the header checksum, which covers
+    the run id)."""
     parsed = {}
     for key, value in (metadata or {}).items():
         try:
@@ -60,7 +61,7 @@ def _without_run_id(metadata: dict[str, str] | None) -> dict:
         except ValueError:
             pass
         if isinstance(value, dict):
-            value = {name: field for name, field in value.items() if name != "run_id"}
+            value = {name: field for name, field in value.items() if name not in ("run_id", "header_sha256")}
         parsed[key] = value
     return parsed
 

@@ -48,9 +48,9 @@ def test_cache_dir_receives_the_prepared_dataset(tmp_path):
 
 def test_options_are_parsed_and_checked():
     script = load_script_module(TRAIN_UNCONDITIONAL)
-    args = script.build_parser().parse_args(["--output_dir", "x", "--dataset_config_name", "small"])
-    with pytest.raises(ValueError, match="--dataset_config_name needs --dataset_name"):
-        script.validate_args(args)
-    args = script.build_parser().parse_args(["--output_dir", "x", "--dataset_name", "d", "--cache_dir", "c"])
-    script.validate_args(args)
-    assert (args.dataset_name, args.cache_dir) == ("d", "c")
+    with pytest.raises(ValueError, match="dataset_config_name needs dataset_name"):
+        script.UnconditionalConfig.from_command_line(["--output_dir", "x", "--dataset_config_name", "small"])
+    config = script.UnconditionalConfig.from_command_line(
+        ["--output_dir", "x", "--dataset_name", "d", "--cache_dir", "c"]
+    )
+    assert (config.dataset_name, config.cache_dir) == ("d", "c")

@@ -72,14 +72,14 @@ def test_noise_offset_shifts_the_noise_mean_per_image_and_channel():
 
 def test_recipe_options_reach_the_recipe_and_are_checked():
     script = load_script_module(TRAIN_UNCONDITIONAL)
-    args = script.build_parser().parse_args(["--output_dir", "x", "--snr_gamma", "5", "--noise_offset", "0.1"])
-    script.validate_args(args)
-    recipe = script.build_recipe(args, script.PretrainedEDM2Parts(), None)
+    config = script.UnconditionalConfig.from_command_line(
+        ["--output_dir", "x", "--snr_gamma", "5", "--noise_offset", "0.1"]
+    )
+    recipe = script.build_recipe(config, script.PretrainedEDM2Parts(), None)
     assert (recipe.snr_gamma, recipe.noise_offset) == (5.0, 0.1)
     with pytest.raises(SystemExit):
-        script.build_parser().parse_args(["--output_dir", "x", "--noise_offset", "-1"])
-    args = script.build_parser().parse_args(["--output_dir", "x", "--recipe", "edm2", "--snr_gamma", "5"])
-    with pytest.raises(ValueError, match="--snr_gamma and --noise_offset apply to --recipe ddpm only"):
-        script.validate_args(args)
-    with pytest.raises(ValueError, match="--snr_gamma must be positive"):
+        script.UnconditionalConfig.from_command_line(["--output_dir", "x", "--noise_offset", "-1"])
+    with pytest.raises(ValueError, match="snr_gamma and noise_offset apply to recipe ddpm only"):
+        script.UnconditionalConfig.from_command_line(["--output_dir", "x", "--recipe", "edm2", "--snr_gamma", "5"])
+    with pytest.raises(ValueError, match="snr_gamma must be positive"):
         DDPMRecipe(DDPMScheduler(), snr_gamma=0.0)

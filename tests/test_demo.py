@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from diffusers_scalelong.trainer.loop import _time_left
+from diffusers_scalelong.trainer.trainer import time_left
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
@@ -48,7 +48,7 @@ def test_demo_plans_trains_samples_and_says_when_the_time_limit_cut_training(tmp
 
 
 def test_time_left_is_the_time_limit_or_the_last_step_at_the_rate_so_far():
-    assert _time_left(elapsed_s=60, limit_s=300, steps_done=10, steps_left=1000) == "4:00"  # time ends first
-    assert _time_left(elapsed_s=60, limit_s=300, steps_done=100, steps_left=10) == "0:06"  # steps end first: 10 x 0.6 s
-    assert _time_left(elapsed_s=400, limit_s=300, steps_done=5, steps_left=5) == "0:00"  # over time: never negative
-    assert _time_left(elapsed_s=0, limit_s=90, steps_done=0, steps_left=5) == "1:30"  # no rate yet
+    assert time_left(elapsed_s=60, limit_s=300, steps_done=10, steps_left=1000) == "4:00"  # time ends first
+    assert time_left(elapsed_s=60, limit_s=300, steps_done=100, steps_left=10) == "0:06"  # steps end first: 10 x 0.6 s
+    assert time_left(elapsed_s=400, limit_s=300, steps_done=5, steps_left=5) == "0:00"  # over time: never negative
+    assert time_left(elapsed_s=0, limit_s=90, steps_done=0, steps_left=5) == "1:30"  # no rate yet

@@ -9,7 +9,7 @@ from diffusers import UNet2DModel
 from diffusers_scalelong.edm2 import EDM2Loss, EDMPreconditioner, LearnedUncertainty
 from diffusers_scalelong.models import EDM2UNet2DModel, ScaleLongUNet2DModel, UViT2DModel
 from diffusers_scalelong.scalelong import StabilityDiagnostics
-from diffusers_scalelong.trainer.loop import make_diagnostics
+from diffusers_scalelong.trainer.compute import make_diagnostics
 from tests._tiny_models import TINY_ATTENTION_UNET
 
 UNET_CONFIG = TINY_ATTENTION_UNET

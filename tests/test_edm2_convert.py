@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_scalelong.edm2 import convert_edm2_state_dict, preconditioner_from_edm2_state_dict
+from diffusers_scalelong.convert import convert_edm2_state_dict, preconditioner_from_edm2_state_dict
 from diffusers_scalelong.models import EDM2UNet2DModel
 
 # A small config G: 16x16x3, widths 16/32/48, 2 blocks per level, attention at 8 and 4, 5 classes, 8-wide heads.

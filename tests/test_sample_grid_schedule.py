@@ -1,14 +1,18 @@
 """--save_images_epochs beside --save_images_steps: when sample grids are written."""
 
-import argparse
-
 from _training_scripts import TINY_UNET, TRAIN_UNCONDITIONAL, run_script
 
-from diffusers_scalelong.trainer.loop import grid_due
+from diffusers_scalelong.trainer import TrainingConfig
+from diffusers_scalelong.trainer.trainer import grid_due
 
 
 def due_steps(save_images_steps, save_images_epochs, steps_per_epoch=3, max_steps=12) -> list[int]:
-    args = argparse.Namespace(save_images_steps=save_images_steps, save_images_epochs=save_images_epochs)
+    args = TrainingConfig(
+        output_dir="unused",
+        save_images_steps=save_images_steps,
+        save_images_epochs=save_images_epochs,
+        report_to="none",
+    )
     return [s for s in range(1, max_steps + 1) if grid_due(args, s, steps_per_epoch, stop=s == max_steps)]
 
 

@@ -44,7 +44,7 @@ def test_bf16_run_computes_frozen_modules_in_bf16_and_saves_them_as_loaded(
     argv += ["--mixed_precision", "bf16", "--validation_prompts", "a pic", "--save_images_steps", "2"]
     argv += ["--eval_batch_size", "1", "--num_inference_steps", "2", "--diagnostics_every", "0"]
     assert load_script_module(TRAIN_TEXT_TO_IMAGE).main([str(a) for a in argv]) == 0
-    assert "frozen: AutoencoderKL in torch.bfloat16, CLIPTextModel in torch.bfloat16" in capsys.readouterr().out
+    assert "frozen: AutoencoderKL in torch.bfloat16, CLIPTextModel in torch.bfloat16" in capsys.readouterr().err
     assert (tmp_path / "out" / "samples" / "step-0000002.png").is_file()  # sampled under bf16 autocast
     for component, filename in (("vae", "diffusion_pytorch_model"), ("text_encoder", "model")):
         loaded = load_file(tiny_sd / component / f"{filename}.safetensors")

@@ -82,6 +82,8 @@ def test_validation_prompts_give_one_row_each(tiny_sd, tmp_path):  # noqa: F811
 
 @pytest.mark.parametrize("flag", ["--validation_prompt", "--validation_prompts"])
 def test_one_validation_prompt_keeps_working(flag):
-    parser = load_script_module(TRAIN_TEXT_TO_IMAGE).build_parser()
-    args = parser.parse_args(["--pretrained_model_name_or_path", "p", "--output_dir", "o", flag, "a pic"])
-    assert args.validation_prompts == ["a pic"]
+    config_class = load_script_module(TRAIN_TEXT_TO_IMAGE).TextToImageConfig
+    config = config_class.from_command_line(
+        ["--pretrained_model_name_or_path", "p", "--output_dir", "o", flag, "a pic"]
+    )
+    assert config.validation_prompts == ("a pic",)

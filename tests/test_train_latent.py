@@ -96,14 +96,14 @@ def test_latent_option_errors_name_the_option(imported, tmp_path):
     ]
     script = load_script_module(TRAIN_UNCONDITIONAL)
     failing = {
-        "--cache_latents encodes each image once": [*base, "--random_flip"],
-        "--vae .* needs --recipe edm2": [
+        "cache_latents encodes each image once": [*base, "--random_flip"],
+        "vae .* needs recipe edm2": [
             "--output_dir", tmp_path / "x", "--train_data_dir", data, "--vae", imported / "vae", "--recipe", "ddpm",
         ],
-        "--vae_pixel_range needs a VAE": ["--output_dir", tmp_path / "y", "--vae_pixel_range", "[0, 1]"],
-        "--resolution 33 must be a multiple": [*base, "--resolution", "33", "--allow_upscaling"],
-        "--vae .* could not be loaded": [*base, "--vae", tmp_path / "no-such-vae"],
+        "vae_pixel_range needs a VAE": ["--output_dir", tmp_path / "y", "--vae_pixel_range", "[0, 1]"],
+        "resolution 33 must be a multiple": [*base, "--resolution", "33", "--allow_upscaling"],
+        "vae .* could not be loaded": [*base, "--vae", tmp_path / "no-such-vae"],
     }  # fmt: skip
     for message, argv in failing.items():
         with pytest.raises(ValueError, match=message):
-            script.prepare_run(script.build_parser().parse_args([str(a) for a in argv]))
+            script.build_job(script.UnconditionalConfig.from_command_line([str(a) for a in argv]))

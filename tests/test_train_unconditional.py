@@ -56,10 +56,10 @@ def vanilla_pipeline(tmp_path_factory):
 
 
 def _folder_state(folder):
-    """(relative path, size, mtime) of every file: proves a failed run left the folder untouched."""
-    return sorted(
-        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
-    )
+    """(relative path, size, mtime) of every file but the lock file (each start records itself there): proves a
+    failed run left the folder untouched."""
+    files = [p for p in folder.rglob("*") if p.is_file() and p.name != ".run.lock"]
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
 
 
 def test_run_writes_checkpoints_grid_and_pipeline(tiny_run):
@@ -200,7 +200,7 @@ def test_bad_input_fails_fast_and_keeps_checkpoints(script, tiny_run, tmp_path, 
 
     small = write_image_folder(tmp_path / "small", count=3, size=8)
     error = _fails(script, capsys, [*base, "--train_data_dir", small])
-    assert "is 8x8, smaller than --resolution 16" in error
+    assert "8 pixels on their shorter side, smaller than --resolution 16" in error
 
     blocked = tmp_path / "a_file"
     blocked.write_text("")

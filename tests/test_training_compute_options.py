@@ -1,6 +1,5 @@
 """--gradient_checkpointing, --allow_tf32, --logger / --report_to of the training scripts (diffusers' names)."""
 
-import argparse
 import copy
 import importlib.util
 
@@ -14,12 +13,12 @@ from safetensors.torch import load_file
 
 from diffusers_scalelong import ScaleLongUNet2DModel
 from diffusers_scalelong.trainer import DDPMRecipe
-from diffusers_scalelong.trainer.loop import adamw_class, apply_compute_options
+from diffusers_scalelong.trainer import TrainingConfig
+from diffusers_scalelong.trainer.compute import adamw_class, apply_compute_options
 
 
-def compute_args(**overrides) -> argparse.Namespace:
-    flags = ("allow_tf32", "gradient_checkpointing", "enable_xformers_memory_efficient_attention", "use_8bit_adam")
-    return argparse.Namespace(**{**dict.fromkeys(flags, False), **overrides})
+def compute_args(**overrides) -> TrainingConfig:
+    return TrainingConfig(output_dir="unused", report_to="none", **overrides)
 
 
 def loss_and_grads(unet: torch.nn.Module, images: torch.Tensor):
@@ -43,7 +42,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
 
 
 def test_gradient_checkpointing_refuses_a_model_without_it():
-    with pytest.raises(ValueError, match="--gradient_checkpointing: Linear does not support it"):
+    with pytest.raises(ValueError, match="gradient_checkpointing: Linear does not support it"):
         apply_compute_options(compute_args(gradient_checkpointing=True), torch.nn.Linear(2, 2))
 
 
@@ -62,39 +61,36 @@ def test_allow_tf32_sets_torch_flags():
 @pytest.mark.skipif(
     importlib.util.find_spec("xformers") is not None, reason="the message is for machines without xformers"
 )
-def test_xformers_flag_without_xformers_says_so_and_changes_nothing(capsys):
+def test_xformers_flag_without_xformers_says_so_and_changes_nothing(caplog):
     unet = ScaleLongUNet2DModel(**TINY_ATTENTION_UNET)
     processors = [type(m.processor) for m in unet.modules() if hasattr(m, "processor")]
     apply_compute_options(compute_args(enable_xformers_memory_efficient_attention=True), unet)
-    assert "xformers is not installed; attention keeps torch's scaled_dot_product_attention" in capsys.readouterr().out
+    assert "xformers is not installed; attention keeps torch's scaled_dot_product_attention" in caplog.text
     assert processors and [type(m.processor) for m in unet.modules() if hasattr(m, "processor")] == processors
 
 
 def test_8bit_adam_needs_bitsandbytes():
     assert adamw_class(compute_args()) is torch.optim.AdamW
     script = load_script_module(TRAIN_UNCONDITIONAL)
-    args = script.build_parser().parse_args(["--output_dir", "x", "--use_8bit_adam"])
+    argv = ["--output_dir", "x", "--use_8bit_adam"]
     if importlib.util.find_spec("bitsandbytes") is None:
-        with pytest.raises(
-            ValueError, match="--use_8bit_adam needs the bitsandbytes package: pip install bitsandbytes"
-        ):
-            script.validate_args(args)
+        with pytest.raises(ValueError, match="use_8bit_adam needs the bitsandbytes package: pip install bitsandbytes"):
+            script.UnconditionalConfig.from_command_line(argv)
     else:
         import bitsandbytes
 
-        assert adamw_class(args) is bitsandbytes.optim.AdamW8bit
+        assert adamw_class(script.UnconditionalConfig.from_command_line(argv)) is bitsandbytes.optim.AdamW8bit
 
 
 def test_logger_is_report_to_and_wandb_needs_its_package():
     script = load_script_module(TRAIN_UNCONDITIONAL)
-    assert script.build_parser().parse_args(["--output_dir", "x", "--logger", "none"]).report_to == "none"
-    args = script.build_parser().parse_args(["--output_dir", "x", "--report_to", "wandb"])
+    assert script.UnconditionalConfig.from_command_line(["--output_dir", "x", "--logger", "none"]).report_to == "none"
+    argv = ["--output_dir", "x", "--report_to", "wandb"]
     if importlib.util.find_spec("wandb") is None:
-        with pytest.raises(ValueError, match="--report_to wandb needs the wandb package: pip install wandb"):
-            script.validate_args(args)
+        with pytest.raises(ValueError, match="report_to wandb needs the wandb package: pip install wandb"):
+            script.UnconditionalConfig.from_command_line(argv)
     else:
-        script.validate_args(args)
-        assert args.report_to == "wandb"
+        assert script.UnconditionalConfig.from_command_line(argv).report_to == "wandb"
 
 
 def test_checkpointed_run_trains_the_same_weights(tmp_path):

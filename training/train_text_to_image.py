@@ -4,130 +4,204 @@
 The pipeline folder (or Hub repo) holds ``unet``, ``vae``, ``text_encoder``, ``tokenizer`` and ``scheduler``. The UNet
 is loaded as ``ScaleLongUNet2DConditionModel`` with ``--lsc``/``--kappa`` (a CS fine-tune keeps diffusers' parameter
 names); VAE and text encoder stay frozen. Loss: the noise scheduler's epsilon (or v) prediction on VAE latents.
-Same Accelerate, EMA, checkpoint, exact-resume and Hub options as ``train_unconditional.py``.
+Same Accelerate, EMA, checkpoint, exact-resume and Hub options as ``scalelong-train``.
+
+The script reads top to bottom: the options (:class:`TextToImageConfig`), then :func:`build_job` (the pipeline's
+components, data, UNet: every check, nothing written), then the shared :class:`~diffusers_scalelong.trainer.Trainer`.
 
 Example::
 
-    accelerate launch training/train_text_to_image.py --pretrained_model_name_or_path ./my-sd-pipeline \
-        --train_data_dir ./captioned_images --resolution 512 --lsc cs --kappa 0.8 --output_dir out \
-        --max_train_steps 1000 --ema_sigma_rels 0.05 0.10 --snapshot_every 250
+    accelerate launch -m diffusers_scalelong.training_scripts.train_text_to_image \
+        --pretrained_model_name_or_path ./my-sd-pipeline --train_data_dir ./captioned_images --resolution 512 \
+        --lsc cs --kappa 0.8 --output_dir out --max_train_steps 1000 --ema_sigma_rels 0.05 0.10 --snapshot_every 250
 """
 
-import argparse
 import json
 import sys
-from pathlib import Path
+from dataclasses import dataclass
 
 import diffusers
 import torch
 from accelerate.utils import set_seed
 from diffusers import AutoencoderKL, StableDiffusionPipeline
-from diffusers.optimization import get_scheduler
 
 from diffusers_scalelong.data import ImageTransform
+from diffusers_scalelong.scalelong.coefficients import LSC_METHODS
+from diffusers_scalelong.sources import fetch_file
 from diffusers_scalelong.trainer import (
     CaptionedImages,
     DDPMRecipe,
     SampleGrid,
+    Trainer,
+    TrainingConfig,
     TrainingJob,
-    add_ddpm_loss_args,
-    add_lsc_args,
-    add_pretrained_source_args,
-    add_training_args,
-    ensure_writable_dir,
-    images_from_numpy,
     load_captioned_dataset,
+    load_pretrained,
     load_pretrained_unet,
-    positive_int,
-    run_script_main,
-    run_training,
-    validate_training_args,
-    weight_dtype,
+    option,
+    sample_rows,
+    script_main,
 )
-from diffusers_scalelong.trainer.run_identity import start_run
+from diffusers_scalelong.trainer.config import non_negative_float, positive_float, positive_int
 
+MODEL, DATA, LOSS = "model", "data", "loss"
 REQUIRED_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+DEFAULTS = dict(
+    learning_rate=1e-5,
+    lr_warmup_steps=0,
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    adam_weight_decay=1e-2,
+    max_grad_norm=1.0,
+    num_inference_steps=25,
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+@dataclass(frozen=True, kw_only=True)
+class TextToImageConfig(TrainingConfig):
+    """The options of this script: the shared ones of :class:`TrainingConfig`, then model, data and loss."""
+
+    train_batch_size: int = option(
+        1, help="images per device and micro-step", group="output and steps", type=positive_int
     )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--pretrained_model_name_or_path", required=True, help="Stable-Diffusion-style pipeline folder or Hub repo"
+    learning_rate: float | None = option(
+        None, help="peak learning rate (default: 1e-5)", group="optimiser", type=positive_float
     )
-    add_pretrained_source_args(model)
-    add_lsc_args(parser)
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset_name", default=None, help="a `datasets` name or local path with images and captions")
-    data.add_argument("--train_data_dir", default=None, help="an imagefolder with metadata.jsonl (file_name, text)")
-    data.add_argument("--dataset_split", default="train", help="split to train on")
-    data.add_argument("--image_column", default="image", help="image column")
-    data.add_argument("--caption_column", default="text", help="caption column (a string or a list of strings)")
-    data.add_argument("--resolution", type=positive_int, default=512, help="training resolution in pixels")
-    data.add_argument("--center_crop", action="store_true", help="crop the centre instead of a random square")
-    data.add_argument("--random_flip", action="store_true", help="mirror half of the images left-right")
-    data.add_argument("--allow_upscaling", action="store_true", help="accept images smaller than --resolution")
-    data.add_argument("--max_train_samples", type=positive_int, default=None, help="use only the first N images")
-    data.add_argument(
-        "--validation_prompts",
-        "--validation_prompt",
-        dest="validation_prompts",
-        nargs="+",
-        default=None,
-        help="prompts of the sample grids (--save_images_steps / --save_images_epochs): one row of --eval_batch_size "
-        "images per prompt, all rows from the same noise; logged to --report_to as 'validation'",
+
+    # ---------------------------------------------------------------------------------------- model
+    pretrained_model_name_or_path: str = option(help="Stable-Diffusion-style pipeline folder or Hub repo", group=MODEL)
+    revision: str | None = option(
+        None,
+        help="branch, tag or commit of the pretrained Hub repo to load (passed to every from_pretrained)",
+        group=MODEL,
+        parameter="revision",
     )
-    data.add_argument("--lr_scheduler", default="constant", help="diffusers lr schedule (constant, cosine, ...)")
-    add_ddpm_loss_args(parser.add_argument_group("loss"))
-    add_training_args(parser, default_batch_size=1)
-    return parser
+    variant: str | None = option(
+        None,
+        help="weight-file variant of the pretrained model, e.g. fp16 for diffusion_pytorch_model.fp16.safetensors",
+        group=MODEL,
+        parameter="variant",
+    )
+    lsc: str = option(
+        "none",
+        help="long-skip-connection scaling method (ScaleLong)",
+        group=MODEL,
+        choices=LSC_METHODS,
+        parameter="lsc_method",
+    )
+    kappa: float = option(
+        0.5,
+        help="kappa of cs / cs_stage: skip i is scaled by kappa^(i-1)",
+        group=MODEL,
+        type=positive_float,
+        parameter="lsc_kappa",
+    )
+
+    # ---------------------------------------------------------------------------------------- data
+    dataset_name: str | None = option(None, help="a `datasets` name or local path with images and captions", group=DATA)
+    train_data_dir: str | None = option(None, help="an imagefolder with metadata.jsonl (file_name, text)", group=DATA)
+    dataset_config_name: str | None = option(None, help="configuration of dataset_name (if it has several)", group=DATA)
+    dataset_split: str = option("train", help="split to train on", group=DATA)
+    cache_dir: str | None = option(None, help="`datasets` cache folder (default: the datasets library's)", group=DATA)
+    image_column: str = option("image", help="image column", group=DATA)
+    caption_column: str = option("text", help="caption column (a string or a list of strings)", group=DATA)
+    resolution: int = option(512, help="training resolution in pixels", group=DATA, type=positive_int)
+    center_crop: bool = option(False, help="crop the centre instead of a random square", group=DATA)
+    random_flip: bool = option(False, help="mirror half of the images left-right", group=DATA)
+    allow_upscaling: bool = option(False, help="accept images smaller than resolution", group=DATA)
+    max_train_samples: int | None = option(None, help="use only the first N images", group=DATA, type=positive_int)
+    validation_prompts: tuple[str, ...] = option(
+        (),
+        help="prompts of the sample grids (save_images_steps / save_images_epochs): one row of eval_batch_size "
+        "images per prompt, all rows from the same noise; logged to report_to as 'validation'",
+        group=DATA,
+        aliases=("--validation_prompt",),
+    )
+
+    image_interpolation_mode: str = option(
+        "bicubic",
+        help="resampling filter of the resize (this script resizes with bicubic, as the package's image transform)",
+        group=DATA,
+        choices=("bicubic",),
+    )
+
+    # ---------------------------------------------------------------------------------------- loss
+    lr_scheduler: str = option("constant", help="diffusers lr schedule (constant, cosine, ...)", group=LOSS)
+    prediction_type: str | None = option(
+        None,
+        help="network target (default: the pipeline scheduler's prediction_type)",
+        group=LOSS,
+        choices=("epsilon", "v_prediction"),
+    )
+    input_perturbation: float = option(
+        0.0,
+        help="perturb the noise of the noisy input by input_perturbation * N(0, 1), the target stays the noise "
+        "(Ning et al. 2023, as diffusers' script)",
+        group=LOSS,
+        type=non_negative_float,
+    )
+    snr_gamma: float | None = option(
+        None,
+        help="Min-SNR loss weighting min(SNR, gamma) / SNR (v: / (SNR + 1)); 5.0 is the paper's choice",
+        group=LOSS,
+        type=positive_float,
+    )
+    noise_offset: float = option(
+        0.0,
+        help="add noise_offset * N(0, 1) per image and channel to the noise (shifts its mean)",
+        group=LOSS,
+        type=non_negative_float,
+    )
+
+    dream_training: bool = option(False, help="not offered here: DREAM training is refused", group=LOSS)
+    non_ema_revision: str | None = option(
+        None, help="not offered here: the trained UNet is always loaded from revision", group=LOSS
+    )
+
+    @classmethod
+    def resolve_defaults(cls, values: dict) -> dict:
+        """The options left unset take the values of diffusers' text-to-image example."""
+        return {**values, **{key: value for key, value in DEFAULTS.items() if values[key] is None}}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.wants_grids and not self.validation_prompts:
+            raise ValueError("save_images_steps / save_images_epochs need validation_prompts")
+        if self.dream_training:
+            raise ValueError("dream_training (DREAM) is not offered by this script; train without it")
+        if self.non_ema_revision is not None:
+            raise ValueError(
+                "non_ema_revision is not offered by this script: it loads the UNet from revision; post-hoc EMA "
+                "(ema_sigma_rels) chooses the EMA after training instead"
+            )
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    validate_training_args(args)
-    defaults = dict(learning_rate=1e-5, lr_warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999, adam_weight_decay=1e-2)
-    defaults.update(max_grad_norm=1.0, num_inference_steps=25)
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if (args.save_images_steps or args.save_images_epochs) and not args.validation_prompts:
-        raise ValueError("--save_images_steps / --save_images_epochs need --validation_prompts")
-
-
-def load_components(path: str, revision: str | None = None, variant: str | None = None) -> dict:
-    """The frozen components and the training noise scheduler of the pipeline at ``path`` (Hub ``revision``,
-    weight files of ``variant``); a missing file or revision raises ``ValueError`` naming the options."""
-    from huggingface_hub.errors import RevisionNotFoundError
-
-    try:
-        return _load_components(path, revision, variant)
-    except (OSError, RevisionNotFoundError) as error:
-        raise ValueError(
-            f"--pretrained_model_name_or_path {path!r} (--revision {revision}, --variant {variant}) could not be "
-            f"loaded: {error}"
-        ) from error
-
-
-def _load_components(path: str, revision: str | None, variant: str | None) -> dict:
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-    index_path = Path(path) / "model_index.json"
-    index = json.loads(index_path.read_text()) if index_path.is_file() else None
-    if index is None and not Path(path).exists() and path.count("/") == 1:
-        from huggingface_hub import hf_hub_download
-
-        index = json.loads(Path(hf_hub_download(path, "model_index.json", revision=revision)).read_text())
-    if index is None:
-        raise ValueError(f"--pretrained_model_name_or_path {path!r} has no model_index.json (not a pipeline)")
+def read_model_index(path: str, revision: str | None) -> dict:
+    """``model_index.json`` of a local pipeline folder or Hub repo, with the components this script needs."""
+    index_path = fetch_file(path, "model_index.json", revision)
+    if index_path is None:
+        raise ValueError(f"pretrained_model_name_or_path {path!r} has no model_index.json (not a pipeline)")
+    index = json.loads(index_path.read_text())
     missing = [name for name in REQUIRED_COMPONENTS if not (isinstance(index.get(name), list) and index[name][0])]
     if missing:
-        raise ValueError(f"--pretrained_model_name_or_path {path!r} lacks the components {missing}")
+        raise ValueError(f"pretrained_model_name_or_path {path!r} lacks the components {missing}")
+    return index
+
+
+def load_components(
+    path: str, revision: str | None = None, variant: str | None = None, prediction_type: str | None = None
+) -> dict:
+    """The frozen components and the training noise scheduler of the pipeline at ``path`` (Hub ``revision``,
+    weight files of ``variant``; ``prediction_type`` replaces the scheduler's)."""
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    index = read_model_index(path, revision)
     scheduler_cls = getattr(diffusers, index["scheduler"][1], None)
     if scheduler_cls is None:
         raise ValueError(f"unknown scheduler class {index['scheduler'][1]!r} in {path}")
     scheduler = scheduler_cls.from_pretrained(path, subfolder="scheduler", revision=revision)
+    if prediction_type is not None:
+        scheduler.register_to_config(prediction_type=prediction_type)
     weights = dict(revision=revision, variant=variant)
     return dict(
         tokenizer=CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", revision=revision),
@@ -138,92 +212,103 @@ def _load_components(path: str, revision: str | None, variant: str | None) -> di
     )
 
 
-def train(args: argparse.Namespace) -> Path:
-    validate_args(args)
-    output_dir = ensure_writable_dir(args.output_dir)
-    run = start_run(output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
-    dataset = load_captioned_dataset(
-        args.dataset_name,
-        args.train_data_dir,
-        split=args.dataset_split,
-        image_column=args.image_column,
-        caption_column=args.caption_column,
-        resolution=args.resolution,
-        allow_upscaling=args.allow_upscaling,
-        max_train_samples=args.max_train_samples,
-    )
-    components = load_components(args.pretrained_model_name_or_path, args.revision, args.variant)
-    set_seed(args.seed)
-    unet = load_pretrained_unet(
-        args.pretrained_model_name_or_path, args.lsc, args.kappa, revision=args.revision, variant=args.variant
-    ).to(torch.float32)  # the trained model stays float32 (e.g. from --variant fp16 weights)
-    if run.resume_from is not None:
-        run.resume_from.check_matches("unet", unet)
-    tokenizer, text_encoder, vae = components["tokenizer"], components["text_encoder"], components["vae"]
-    recipe = DDPMRecipe(components["noise_scheduler"], snr_gamma=args.snr_gamma, noise_offset=args.noise_offset)
+class TextToImageRecipe(DDPMRecipe):
+    """diffusers' text-to-image fine-tuning: the DDPM loss on VAE latents, conditioned on the caption's text
+    embedding; the pipeline is a ``StableDiffusionPipeline``; grids have one row per validation prompt."""
 
-    def loss(module, batch):
+    def __init__(self, components: dict, config: TextToImageConfig):
+        super().__init__(
+            components["noise_scheduler"],
+            snr_gamma=config.snr_gamma,
+            noise_offset=config.noise_offset,
+            lr_scheduler=config.lr_scheduler,
+            lr_warmup_steps=config.lr_warmup_steps,
+            input_perturbation=config.input_perturbation,
+        )
+        self.components = components
+        self.prompts = list(config.validation_prompts)
+
+    def caption_loss(self, unet: torch.nn.Module, batch: dict) -> torch.Tensor:
+        vae, text_encoder = self.components["vae"], self.components["text_encoder"]
         with torch.no_grad():
             latents = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist.sample() * vae.config.scaling_factor
             text = text_encoder(batch["input_ids"])[0]
         # the frozen modules compute in the mixed-precision dtype; the trained UNet gets float32 inputs
-        return recipe.loss(module, latents.float(), encoder_hidden_states=text.float())
+        return self.loss(unet, latents.float(), encoder_hidden_states=text.float())
 
-    def make_pipeline(trained_unet):
+    def pipeline(self, unet: torch.nn.Module) -> StableDiffusionPipeline:
+        parts = self.components
         return StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            unet=trained_unet,
-            scheduler=components["scheduler"],
+            vae=parts["vae"],
+            text_encoder=parts["text_encoder"],
+            tokenizer=parts["tokenizer"],
+            unet=unet,
+            scheduler=parts["scheduler"],
             safety_checker=None,
             feature_extractor=None,
             requires_safety_checker=False,
         )
 
     @torch.no_grad()
-    def sample(trained_unet, num_images, seed, num_inference_steps) -> SampleGrid:
-        """One row of ``num_images`` per validation prompt, each from the same noise, under autocast to the
-        frozen modules' dtype (as diffusers' validation)."""
-        pipeline = make_pipeline(trained_unet)
-        pipeline.set_progress_bar_config(disable=True)
-        device_type = trained_unet.device.type
-        dtype = weight_dtype(args.mixed_precision)
-        rows = []
-        for prompt in args.validation_prompts:
-            generator = torch.Generator().manual_seed(seed)
-            with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
-                output = pipeline(
-                    [prompt] * num_images,
-                    num_inference_steps=num_inference_steps,
-                    generator=generator,
-                    output_type="np",
-                )
-            rows.append(images_from_numpy(output.images))
-        captions = [f"{i}: {prompt}" for i, prompt in enumerate(args.validation_prompts)]
-        return SampleGrid.from_rows(rows, captions, tag="validation")
+    def prompt_grid(self, unet: torch.nn.Module, num_images: int, seed: int, num_inference_steps: int) -> SampleGrid:
+        """One row of ``num_images`` per validation prompt, each from the same noise, under autocast to the frozen
+        modules' dtype (as diffusers' validation)."""
+        dtype = self.components["vae"].dtype
+        rows = [dict(prompt=[prompt] * num_images) for prompt in self.prompts]
+        with torch.autocast(unet.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            images = sample_rows(self.pipeline(unet), rows, num_images, seed, num_inference_steps)
+        captions = [f"{i}: {prompt}" for i, prompt in enumerate(self.prompts)]
+        return SampleGrid.from_rows(images, captions, tag="validation")
 
-    transform = ImageTransform(args.resolution, center_crop=args.center_crop, random_flip=args.random_flip, channels=3)
-    job = TrainingJob(
+
+def build_job(config: TextToImageConfig) -> TrainingJob:
+    """The pipeline's components, the captioned data and the UNet; nothing is written."""
+    source, revision, variant = config.pretrained_model_name_or_path, config.revision, config.variant
+    components = load_pretrained(
+        lambda: load_components(source, revision, variant, config.prediction_type), source, revision, variant
+    )
+    dataset = load_captioned_dataset(
+        config.dataset_name,
+        config.train_data_dir,
+        split=config.dataset_split,
+        image_column=config.image_column,
+        caption_column=config.caption_column,
+        resolution=config.resolution,
+        allow_upscaling=config.allow_upscaling,
+        max_train_samples=config.max_train_samples,
+        dataset_config_name=config.dataset_config_name,
+        cache_dir=config.cache_dir,
+    )
+    set_seed(config.seed)
+    unet = load_pretrained(
+        lambda: load_pretrained_unet(source, config.lsc, config.kappa, revision=revision, variant=variant),
+        source,
+        revision,
+        variant,
+    ).to(torch.float32)  # the trained model stays float32 (e.g. from --variant fp16 weights)
+    recipe = TextToImageRecipe(components, config)
+    transform = ImageTransform(
+        config.resolution, center_crop=config.center_crop, random_flip=config.random_flip, channels=3
+    )
+    return TrainingJob(
         module=unet,
         unet=unet,
-        dataset=CaptionedImages(dataset, transform, tokenizer, seed=args.seed),
-        loss=loss,
-        make_lr_scheduler=lambda optimizer, max_steps: get_scheduler(
-            args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=max_steps
-        ),
-        make_pipeline=make_pipeline,
-        sample=sample if args.validation_prompts else None,
-        frozen=[vae, text_encoder],
+        dataset=CaptionedImages(dataset, transform, components["tokenizer"], seed=config.seed),
+        loss=recipe.caption_loss,
+        make_lr_scheduler=recipe.lr_scheduler,
+        make_pipeline=recipe.pipeline,
+        sample=recipe.prompt_grid if config.validation_prompts else None,
+        frozen=[components["vae"], components["text_encoder"]],
         tracker_name="train_text_to_image",
-        description=f"text-to-image fine-tuning, lsc {args.lsc}",
+        description=f"text-to-image fine-tuning, lsc {config.lsc}",
     )
-    return run_training(args, job, output_dir, run)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_script_main(build_parser(), train, argv)
+def train(config: TextToImageConfig):
+    return Trainer(config, build_job(config)).train()
 
+
+main = script_main(TextToImageConfig, train, __doc__.split("\n\n")[0])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,10 +31,12 @@ from typing import Any
 import numpy as np
 from diffusers import AutoencoderKL
 
-from .. import EDM2Pipeline, EDM2UNet2DModel, EDMHeunScheduler, EDMPreconditioner, LearnedUncertainty
 from ..atomic import atomic_write_text
+from ..edm2 import EDMPreconditioner, LearnedUncertainty
 from ..hub import model_card, push_pipeline_to_hub
-from ..pipelines import set_edm2_latent_scaling
+from ..models import EDM2UNet2DModel
+from ..pipelines import EDM2Pipeline, set_edm2_latent_scaling
+from ..schedulers import EDMHeunScheduler
 from .edm2_state_dict import convert_edm2_state_dict
 from .output import replaced_folder
 from .safe_pickle import PersistentObject, load_restricted_pickle, module_tensors

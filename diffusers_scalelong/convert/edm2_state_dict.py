@@ -19,7 +19,8 @@ from functools import reduce
 
 import torch
 
-from .. import EDM2UNet2DModel, EDMPreconditioner, LearnedUncertainty
+from ..edm2 import EDMPreconditioner, LearnedUncertainty
+from ..models import EDM2UNet2DModel
 
 __all__ = ["convert_edm2_state_dict", "preconditioner_from_edm2_state_dict"]
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from diffusers import DDPMPipeline, DDPMScheduler
 
-from .. import UViT2DModel
 from ..atomic import atomic_write_text
+from ..models import UViT2DModel
 from .output import replaced_folder
 from .safe_pickle import load_torch_checkpoint
 

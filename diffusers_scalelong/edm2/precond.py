@@ -134,7 +134,7 @@ class EDMPreconditioner(nn.Module):
     def from_pretrained(cls, directory: str | os.PathLike, **kwargs) -> "EDMPreconditioner":
         """Load what :meth:`save_pretrained` wrote; the UNet class is the one its config names (a model of this
         package or of diffusers). ``kwargs`` go to both loaders."""
-        from ..scalelong.upgrade import model_class_by_name
+        from ..models.pretrained import model_class_by_name
 
         config = cls.read_config(directory)
         unet_class = model_class_by_name(config.get("unet_class", "EDM2UNet2DModel"))

@@ -15,7 +15,6 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.unets.unet_2d import UNet2DOutput
 from torch import nn
 
-from ..edm2.presets import EDM2_PRESETS, EDM2Preset, get_edm2_preset
 from ..layers.legacy_config import LegacyAutoMapMixin
 from ..layers.mp import Block, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
 from ..layers.mp_casting import MPLayerwiseCastingMixin
@@ -24,13 +23,12 @@ from ..scalelong.scaling import LongSkipScaling
 from ..scalelong.skips import LongSkip, LongSkipLayout
 from ..validation import check_number, check_optional_count
 from .config_checks import check_edm2_unet_config
+from .edm2_presets import EDM2_PRESETS, EDM2Preset, get_edm2_preset
 
 __all__ = ["EDM2_PRESETS", "EDM2Preset", "EDM2UNet2DModel"]
 
 
-class EDM2UNet2DModel(
-    LegacyAutoMapMixin, LongSkipScalingLoaderMixin, MPLayerwiseCastingMixin, ModelMixin, ConfigMixin
-):
+class EDM2UNet2DModel(LegacyAutoMapMixin, LongSkipScalingLoaderMixin, MPLayerwiseCastingMixin, ModelMixin, ConfigMixin):
     """EDM2 magnitude-preserving UNet, the raw network ``F(c_in x, c_noise, class_labels) -> UNet2DOutput``.
 
     Args:

@@ -7,7 +7,6 @@
   the decoder input);
 - ``conv_hooks``: scaling for diffusers conv UNets through up-block pre-hooks (``apply_lsc`` / ``remove_lsc``);
 - ``loading``: ``from_pretrained`` that initialises LS gates missing from a checkpoint;
-- ``upgrade``: load a pretrained (vanilla) UNet into its ScaleLong subclass (``load_pretrained_unet``);
 - ``diagnostics``: the training-stability measurements of the paper's analysis (:class:`StabilityDiagnostics`).
 """
 
@@ -18,7 +17,6 @@ from .gates import ChannelGate, TokenGate
 from .loading import LongSkipScalingLoaderMixin
 from .scaling import LongSkipScaling
 from .skips import HasLongSkips, LongSkip, LongSkipLayout, conv_long_skip_layout, long_skip_layout
-from .upgrade import load_model_config, load_pretrained_unet
 
 __all__ = [
     "LEARNABLE_METHODS",
@@ -34,8 +32,6 @@ __all__ = [
     "apply_lsc",
     "conv_long_skip_layout",
     "install_conv_lsc",
-    "load_model_config",
-    "load_pretrained_unet",
     "long_skip_layout",
     "lsc_coefficients",
     "remove_lsc",

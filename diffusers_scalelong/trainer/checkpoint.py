@@ -81,7 +81,7 @@ class Checkpoint:
 
     @classmethod
     def resolve(cls, resume: str | None, output_dir: str | os.PathLike) -> "Checkpoint | None":
-        """Turn ``--resume_from_checkpoint`` (``latest``, a folder name or a path) into a checkpoint.
+        """Turn ``resume_from_checkpoint`` (``latest``, a folder name or a path) into a checkpoint.
 
         ``latest`` with no checkpoint yet returns ``None`` (start fresh); an explicit folder that does not exist or is
         incomplete raises ``ValueError``.
@@ -94,12 +94,12 @@ class Checkpoint:
         if not path.is_absolute() and not path.exists():
             path = Path(output_dir) / resume
         if not (path / STATE_FILE).is_file():
-            raise ValueError(f"--resume_from_checkpoint {resume!r}: {str(path)!r} is not a complete checkpoint folder")
+            raise ValueError(f"resume_from_checkpoint {resume!r}: {str(path)!r} is not a complete checkpoint folder")
         checkpoint = cls(path)
         try:
             checkpoint.verify()
         except ValueError as error:
-            raise ValueError(f"--resume_from_checkpoint {resume!r}: {error}") from None
+            raise ValueError(f"resume_from_checkpoint {resume!r}: {error}") from None
         return checkpoint
 
     @classmethod
@@ -192,7 +192,7 @@ class Checkpoint:
         if saved.get("_class_name") != expected_class:
             raise ValueError(
                 f"checkpoint {str(self)!r} holds a {saved.get('_class_name')} model but this run builds a "
-                f"{expected_class}; resume with the same model options or use another --output_dir"
+                f"{expected_class}; resume with the same model options or use another output_dir"
             )
         saved, current = architecture_config(saved), architecture_config(json.loads(json.dumps(dict(model.config))))
         differing = sorted(key for key in set(saved) | set(current) if saved.get(key) != current.get(key))

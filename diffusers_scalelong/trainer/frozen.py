@@ -3,7 +3,7 @@ scripts keep them (``weight_dtype``), while the trained model stays float32.
 
 The weights as loaded are kept on the CPU while the run uses the cast copies, and :meth:`FrozenModules.restore`
 puts them back before the final pipeline is saved: the saved VAE and text encoder are bit-identical to the ones
-loaded, whatever ``--mixed_precision`` the run used.
+loaded, whatever ``mixed_precision`` the run used.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ _WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 
 
 def weight_dtype(mixed_precision: str) -> torch.dtype:
-    """The dtype of frozen weights under ``--mixed_precision`` (``no``: float32, ``fp16``, ``bf16``)."""
+    """The dtype of frozen weights under ``mixed_precision`` (``no``: float32, ``fp16``, ``bf16``)."""
     try:
         return _WEIGHT_DTYPES[mixed_precision]
     except KeyError:
-        raise ValueError(f"--mixed_precision must be one of {list(_WEIGHT_DTYPES)}, got {mixed_precision!r}") from None
+        raise ValueError(f"mixed_precision must be one of {list(_WEIGHT_DTYPES)}, got {mixed_precision!r}") from None
 
 
 class FrozenModules:

@@ -34,7 +34,7 @@ class LatentCodec:
         config = vae.config
         if getattr(config, "latents_mean", None) is None or getattr(config, "latents_std", None) is None:
             raise ValueError(
-                "--vae: the VAE's config has no latents_mean / latents_std; use the VAE of an EDM2 pipeline or set "
+                "vae: the VAE's config has no latents_mean / latents_std; use the VAE of an EDM2 pipeline or set "
                 "them with set_edm2_latent_scaling"
             )
         if pixel_range not in VAE_PIXEL_RANGES:
@@ -112,7 +112,7 @@ class CachedLatents(torch.utils.data.Dataset):
         self.moments = tensors["moments"]
         self.labels = tensors.get("class_labels") if with_labels else None
         if with_labels and self.labels is None:
-            raise ValueError(f"{path} holds no class labels: it was cached without --class_conditional")
+            raise ValueError(f"{path} holds no class labels: it was cached without class_conditional")
 
     def __len__(self) -> int:
         return len(self.moments)

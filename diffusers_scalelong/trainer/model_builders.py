@@ -1,27 +1,30 @@
 """Build the network a training run optimises from scratch: one of ``MODEL_TYPES``, or from a model config file.
 
-(A pretrained UNet with ScaleLong added comes from :func:`diffusers_scalelong.scalelong.load_pretrained_unet`.)
+(A pretrained UNet with ScaleLong added comes from :func:`diffusers_scalelong.models.load_pretrained_unet`.)
 """
 
 import inspect
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import diffusers
 from diffusers.models.modeling_utils import ModelMixin
 
 from .. import models as plugin_models
-from ..scalelong.upgrade import SCALELONG_SUBCLASS, load_model_config, model_class_by_name
+from ..models.pretrained import SCALELONG_SUBCLASS, load_model_config, model_class_by_name
 
 MODEL_TYPES = ("unet2d", "scalelong_unet2d", "uvit", "edm2")
+T = TypeVar("T")
 
 
 def unet2d_block_types(num_levels: int, attention_levels: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Down and up block type names of a ``UNet2DModel`` with attention at the given level indices (0 = outermost)."""
     for level in attention_levels:
         if not 0 <= level < num_levels:
-            raise ValueError(f"--attention_levels: level {level} does not exist (the model has {num_levels} levels)")
+            raise ValueError(f"attention_levels: level {level} does not exist (the model has {num_levels} levels)")
     down = tuple("AttnDownBlock2D" if i in attention_levels else "DownBlock2D" for i in range(num_levels))
     up = tuple("AttnUpBlock2D" if i in attention_levels else "UpBlock2D" for i in reversed(range(num_levels)))
     return down, up
@@ -43,11 +46,11 @@ def build_unet2d(
     """A diffusers ``UNet2DModel`` (``scalelong=False``; then ``lsc_method`` must be ``none``) or ``ScaleLongUNet2DModel``."""
     if any(width % norm_num_groups for width in block_out_channels):
         raise ValueError(
-            f"--block_out_channels {list(block_out_channels)} must be multiples of --norm_num_groups {norm_num_groups}"
+            f"block_out_channels {list(block_out_channels)} must be multiples of norm_num_groups {norm_num_groups}"
         )
     if resolution % 2 ** (len(block_out_channels) - 1):
         raise ValueError(
-            f"--resolution {resolution} must be divisible by 2^{len(block_out_channels) - 1} for {len(block_out_channels)} levels"
+            f"resolution {resolution} must be divisible by 2^{len(block_out_channels) - 1} for {len(block_out_channels)} levels"
         )
     down, up = unet2d_block_types(len(block_out_channels), attention_levels)
     config = dict(
@@ -65,7 +68,7 @@ def build_unet2d(
     )
     if not scalelong:
         if lsc_method != "none":
-            raise ValueError("--model unet2d is the vanilla diffusers UNet; use --model scalelong_unet2d for --lsc")
+            raise ValueError("model unet2d is the vanilla diffusers UNet; use model scalelong_unet2d for lsc")
         return diffusers.UNet2DModel(**config)
     return plugin_models.ScaleLongUNet2DModel(**config, lsc_method=lsc_method, lsc_kappa=lsc_kappa)
 
@@ -128,9 +131,9 @@ def build_uvit(
 
 
 def load_config_source(path: str | os.PathLike) -> dict:
-    """The model config of ``--model_config_name_or_path``: a JSON file, a model folder (``config.json``), a
+    """The model config of ``model_config_name_or_path``: a JSON file, a model folder (``config.json``), a
     pipeline folder (its ``unet/config.json``) or a Hub repo holding one of these."""
-    option = f"--model_config_name_or_path {str(path)!r}"
+    option = f"model_config_name_or_path {str(path)!r}"
     if Path(path).is_file():
         try:
             config = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -170,12 +173,26 @@ def build_from_config(
         found = config.get(key)
         if found != value and not (key == "sample_size" and found in (value, [value, value])):
             raise ValueError(
-                f"--model_config_name_or_path {str(path)!r}: {key} is {found}, the data needs {value} "
-                "(--resolution, the images' channels, --class_conditional)"
+                f"model_config_name_or_path {str(path)!r}: {key} is {found}, the data needs {value} "
+                "(resolution, the images' channels, class_conditional)"
             )
     overrides = {}
     if lsc_method != "none":
         if "lsc_method" not in inspect.signature(cls.__init__).parameters:
-            raise ValueError(f"--lsc {lsc_method}: {class_name} has no long-skip scaling (lsc_method)")
+            raise ValueError(f"lsc {lsc_method}: {class_name} has no long-skip scaling (lsc_method)")
         overrides = dict(lsc_method=lsc_method, lsc_kappa=lsc_kappa)
     return cls.from_config({**config, **overrides})
+
+
+def load_pretrained(load: Callable[[], T], source: str, revision: str | None = None, variant: str | None = None) -> T:
+    """``load()`` of the pretrained model at ``source``, with a missing weight file (e.g. of ``variant``) or Hub
+    ``revision`` reported as one ``ValueError`` naming them."""
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    try:
+        return load()
+    except (OSError, RevisionNotFoundError) as error:
+        raise ValueError(
+            f"pretrained_model_name_or_path {source!r} (revision {revision}, variant {variant}) could not be loaded: "
+            f"{error}"
+        ) from error

@@ -4,6 +4,7 @@ optional upload to the Hub."""
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ..atomic import clean_stale_temporaries, replace_path, staging_folder
@@ -12,7 +13,7 @@ from .run_identity import SAMPLES_FOLDER, SNAPSHOT_FOLDER
 PIPELINE_TEMPORARIES = ("pipeline", "*.old")  # the staging folder and the components moved aside
 
 
-def ensure_writable_dir(path: str | os.PathLike, option: str = "--output_dir") -> Path:
+def ensure_writable_dir(path: str | os.PathLike, option: str = "output_dir") -> Path:
     """Create ``path`` if needed and prove it is writable by writing and removing a temporary file.
 
     Raises ``ValueError`` naming ``option`` when the folder cannot be created or written.
@@ -40,8 +41,11 @@ def replace_folder_contents(source: str | os.PathLike, target: str | os.PathLike
         replace_path(source / name, target / name)
 
 
-def save_pipeline_atomic(pipeline, output_dir: str | os.PathLike) -> Path:
-    """``pipeline.save_pretrained`` into a temporary folder, then swap its entries into ``output_dir``.
+def save_pipeline_atomic(
+    pipeline, output_dir: str | os.PathLike, write_extras: Callable[[Path], None] | None = None
+) -> Path:
+    """``pipeline.save_pretrained`` (and ``write_extras(folder)``) into a temporary folder, then swap its entries into
+    ``output_dir``.
 
     ``model_index.json`` is moved last, so a reader never finds an index whose components are half written. The
     leftovers of an earlier save that was killed are put right first (see ``atomic.clean_stale_temporaries``).
@@ -52,6 +56,8 @@ def save_pipeline_atomic(pipeline, output_dir: str | os.PathLike) -> Path:
     tmp = staging_folder(output_dir, "pipeline")
     try:
         pipeline.save_pretrained(tmp)
+        if write_extras is not None:
+            write_extras(tmp)
         replace_folder_contents(tmp, output_dir, last=("model_index.json",))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -74,11 +80,11 @@ def push_run_to_hub(pipeline, output_dir: str | os.PathLike, repo_id: str, priva
     Returns the pipeline commit URL. Credentials and endpoint come from the environment (``HF_TOKEN``,
     ``HF_ENDPOINT``), as for every ``huggingface_hub`` call.
     """
-    from ..hub import push_snapshots
+    from ..ema.hub_transfer import push_snapshots
     from ..pipelines import push_pipeline_to_hub
 
     url = push_pipeline_to_hub(pipeline, repo_id, private=private or None)
-    snapshots = Path(output_dir) / "ema_snapshots"
+    snapshots = Path(output_dir) / SNAPSHOT_FOLDER
     if snapshots.is_dir() and any(snapshots.glob("*.safetensors")):
         push_snapshots(snapshots, repo_id)
     return url

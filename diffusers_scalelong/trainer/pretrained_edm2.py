@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffusers import AutoencoderKL
-from huggingface_hub import snapshot_download
 
 from ..edm2 import EDMPreconditioner, LearnedUncertainty
 from ..edm2.precond import PRECONDITIONER_CONFIG
+from ..sources import fetch_folder
 
 __all__ = ["PretrainedEDM2Parts", "load_pretrained_edm2_parts"]
 
@@ -30,13 +30,6 @@ class PretrainedEDM2Parts:
     sigma_data: float | None = None
     vae: AutoencoderKL | None = None
     vae_pixel_range: str | None = None
-
-
-def _local_folder(path: str | os.PathLike, revision: str | None) -> Path:
-    if Path(path).is_dir():
-        return Path(path)
-    patterns = ["model_index.json", PRECONDITIONER_CONFIG, "uncertainty/*", "vae/*"]
-    return Path(snapshot_download(str(path), allow_patterns=patterns, revision=revision))
 
 
 def _variant(component: Path, variant: str | None) -> str | None:
@@ -52,7 +45,7 @@ def load_pretrained_edm2_parts(
 ) -> PretrainedEDM2Parts:
     """Read the parts of a local folder or Hub repo (at ``revision``; weight files of ``variant``, e.g. ``fp16``);
     a folder without them gives an empty result."""
-    folder = _local_folder(path, revision)
+    folder = fetch_folder(path, ["model_index.json", PRECONDITIONER_CONFIG, "uncertainty/*", "vae/*"], revision)
     parts = PretrainedEDM2Parts()
     if (folder / PRECONDITIONER_CONFIG).is_file() and (folder / "uncertainty").is_dir():
         parts.sigma_data = float(EDMPreconditioner.read_config(folder)["sigma_data"])

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from ..layers import register_sharded_weight_projection
 
 NEEDS_PROCESSES = (
-    "--distributed_type fsdp shards the model over processes: launch 2 or more, e.g. torchrun --nproc_per_node 2 "
+    "distributed_type fsdp shards the model over processes: launch 2 or more, e.g. torchrun --nproc_per_node 2 "
     "or accelerate launch --multi_gpu --num_processes 2"
 )
 # Full (unsharded) tensors, on the CPU of the main process only: the form checkpoints are written in.

@@ -25,6 +25,7 @@ class TrainingEMA:
         sigma_rels: post-hoc EMA profiles to track (empty: none).
         snapshot_dir / snapshot_every: where and every how many steps to write post-hoc snapshots.
         use_classic: also keep ``diffusers.training_utils.EMAModel`` with ``classic_kwargs``.
+        offload_classic: keep the classic EMA on the CPU between updates (as diffusers' ``--offload_ema``).
         is_main_process: the process that writes snapshots and checkpoint state.
         sharded: the UNet's parameters are sharded (FSDP2): every process tracks its shards of the post-hoc EMA,
             and every process must call :meth:`maybe_snapshot` and :meth:`save`.
@@ -42,7 +43,9 @@ class TrainingEMA:
         is_main_process: bool = True,
         sharded: bool = False,
         run_id: str | None = None,
+        offload_classic: bool = False,
     ):
+        self.offload_classic = offload_classic
         self.is_main_process = is_main_process
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.snapshot_every = snapshot_every
@@ -50,9 +53,7 @@ class TrainingEMA:
         if (is_main_process or sharded) and sigma_rels:
             self.posthoc = PowerFunctionEMA(unet, sigma_rels, device="cpu", run_id=run_id)
         self.classic = None
-        if use_classic and sharded:
-            raise ValueError("--use_ema (diffusers' EMAModel) needs unsharded parameters; use --ema_sigma_rels")
-        if is_main_process and use_classic:
+        if is_main_process and use_classic:  # (sharded runs rule it out in their configuration)
             self.classic = EMAModel(
                 unet.parameters(),
                 use_ema_warmup=True,
@@ -66,7 +67,11 @@ class TrainingEMA:
         if self.posthoc is not None:
             self.posthoc.update(unet, step)
         if self.classic is not None:
+            if self.offload_classic:
+                self.classic.to(next(unet.parameters()).device)
             self.classic.step(unet.parameters())
+            if self.offload_classic:
+                self.classic.to("cpu")
 
     def maybe_snapshot(self, step: int, final: bool = False) -> list[str]:
         """Write post-hoc snapshots at multiples of ``snapshot_every`` (and at the final step)."""
@@ -97,11 +102,20 @@ class TrainingEMA:
             path = os.path.join(folder, CLASSIC_EMA_FOLDER)
             if not os.path.isdir(path):
                 raise ValueError(
-                    f"checkpoint {str(folder)!r} has no classic EMA ({CLASSIC_EMA_FOLDER}/); it was trained without --use_ema"
+                    f"checkpoint {str(folder)!r} has no classic EMA ({CLASSIC_EMA_FOLDER}/); it was trained without use_ema"
                 )
             loaded = EMAModel.from_pretrained(path, model_cls=type(unet))
             loaded.to(next(unet.parameters()).device)
             self.classic = loaded
+
+    def check_resumable(self, folder: str | os.PathLike) -> None:
+        """Refuse (``ValueError``) to resume a checkpoint that tracked a post-hoc EMA this run does not track: it would
+        be dropped without a word."""
+        if self.posthoc is None and os.path.isfile(os.path.join(folder, POSTHOC_STATE_FILE)):
+            raise ValueError(
+                f"checkpoint {str(folder)!r} tracks a post-hoc EMA ({POSTHOC_STATE_FILE}); resume it with the same "
+                "sigma_rels, or that EMA would be lost"
+            )
 
     def export_unet(self, unet: nn.Module) -> nn.Module:
         """The UNet to sample from and to save: a copy holding the classic EMA if kept, else ``unet`` itself."""

@@ -118,18 +118,22 @@ def load_captioned_dataset(
     resolution: int = 512,
     allow_upscaling: bool = False,
     max_train_samples: int | None = None,
+    dataset_config_name: str | None = None,
+    cache_dir: str | None = None,
 ) -> datasets.Dataset:
     """Images with captions: an imagefolder whose ``metadata.jsonl`` has ``file_name`` and a caption column, or a
-    ``datasets`` dataset. Problems raise ``ValueError`` naming the option (no images, no captions, unreadable
-    images, too small)."""
+    ``datasets`` dataset (its configuration ``dataset_config_name``; ``cache_dir``: the datasets cache). Problems
+    raise ``ValueError`` naming the option (no images, no captions, unreadable images, too small)."""
     if (dataset_name is None) == (train_data_dir is None):
         raise ValueError("pass exactly one of --dataset_name or --train_data_dir (an imagefolder with metadata.jsonl)")
     source = _describe_source(dataset_name, train_data_dir)
     try:
         if train_data_dir is not None:
-            dataset = datasets.load_dataset("imagefolder", data_dir=str(train_data_dir), split=split)
+            dataset = datasets.load_dataset(
+                "imagefolder", data_dir=str(train_data_dir), split=split, cache_dir=cache_dir
+            )
         else:
-            dataset = datasets.load_dataset(dataset_name, split=split)
+            dataset = datasets.load_dataset(dataset_name, dataset_config_name, split=split, cache_dir=cache_dir)
     except Exception as error:  # datasets raises its own error types for folders without data files
         raise ValueError(f"{source} could not be loaded as an image dataset: {error}") from error
     for option, column in (("--image_column", image_column), ("--caption_column", caption_column)):

@@ -12,6 +12,8 @@ from pathlib import Path
 import diffusers
 from diffusers.models.modeling_utils import ModelMixin
 
+from ..sources import fetch_file
+
 # Loading a vanilla diffusers UNet for fine-tuning with ScaleLong swaps in the subclass that records the method.
 SCALELONG_SUBCLASS = {
     "UNet2DModel": "ScaleLongUNet2DModel",
@@ -29,37 +31,20 @@ def load_model_config(
 
     A pipeline folder (``model_index.json``) is searched for its ``unet`` component.
     """
-    if subfolder is None and _fetch_file(path, "model_index.json", revision) is not None:
+    if subfolder is None and fetch_file(path, "model_index.json", revision) is not None:
         subfolder = "unet"
     config_name = "config.json" if subfolder is None else f"{subfolder}/config.json"
-    config_path = _fetch_file(path, config_name, revision)
+    config_path = fetch_file(path, config_name, revision)
     if config_path is None:
         raise ValueError(
-            f"--pretrained_model_name_or_path {str(path)!r} holds neither model_index.json nor a UNet config.json"
+            f"pretrained_model_name_or_path {str(path)!r} holds neither model_index.json nor a UNet config.json"
         )
     return json.loads(Path(config_path).read_text()), subfolder
 
 
-def _fetch_file(path: str | os.PathLike, name: str, revision: str | None = None) -> str | None:
-    local = Path(path)
-    if local.is_dir():
-        return str(local / name) if (local / name).is_file() else None
-    if local.exists() or str(path).count("/") != 1:
-        return None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
-
-    try:
-        return hf_hub_download(str(path), name, revision=revision)
-    except RevisionNotFoundError:
-        raise ValueError(f"{path!s}: revision {revision!r} not found (--revision)") from None
-    except (EntryNotFoundError, RepositoryNotFoundError):
-        return None
-
-
 def model_class_by_name(name: str) -> type[ModelMixin]:
     """A model class of this package or of diffusers, by its ``_class_name``."""
-    from .. import models as plugin_models  # the networks sit above this package
+    from .. import models as plugin_models  # this package (imported on first use: it imports this module)
 
     cls = getattr(plugin_models, name, None) or getattr(diffusers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, ModelMixin)):
@@ -97,5 +82,5 @@ def load_pretrained_unet(
             path, lsc_method=lsc_method, lsc_kappa=float(lsc_kappa), low_cpu_mem_usage=False, **kwargs
         )
     if lsc_method != "none":
-        raise ValueError(f"{class_name} has no lsc_method option; --lsc {lsc_method} cannot be saved with it")
+        raise ValueError(f"{class_name} has no lsc_method option; lsc {lsc_method} cannot be saved with it")
     return cls.from_pretrained(path, **kwargs)
