@@ -12,8 +12,7 @@ from diffusers import DDPMScheduler
 from safetensors.torch import load_file
 
 from diffusers_scalelong import ScaleLongUNet2DModel
-from diffusers_scalelong.trainer import DDPMRecipe
-from diffusers_scalelong.trainer import TrainingConfig
+from diffusers_scalelong.trainer import DDPMRecipe, TrainingConfig
 from diffusers_scalelong.trainer.compute import adamw_class, apply_compute_options
 
 

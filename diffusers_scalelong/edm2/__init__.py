@@ -5,10 +5,10 @@ The weight converters (``convert_edm2_state_dict``, ``preconditioner_from_edm2_s
 :mod:`diffusers_scalelong.convert`.
 """
 
+from ..models.edm2_presets import EDM2_PRESETS, EDM2Preset, get_edm2_preset
 from .loss import EDM2Loss, EDM2LossOutput
 from .lr_schedule import inverse_sqrt_lr_lambda
 from .precond import EDMPreconditioner, edm_precondition
-from ..models.edm2_presets import EDM2_PRESETS, EDM2Preset, get_edm2_preset
 from .uncertainty import LearnedUncertainty
 
 __all__ = [
