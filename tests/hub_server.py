@@ -468,12 +468,15 @@ class LocalHub:
     def env(self, hub_cache: str | os.PathLike | None = None) -> dict[str, str]:
         """Environment for a subprocess that should talk to this Hub (``HF_ENDPOINT`` is read at import).
 
-        ``hub_cache`` sets ``HF_HUB_CACHE`` so the subprocess does not touch the user's cache."""
+        ``hub_cache`` sets ``HF_HUB_CACHE`` (and, beside it, the ``datasets`` and code-module caches) so the subprocess
+        writes nothing under the user's ``HF_HOME``, which may be read-only."""
         env = {**os.environ, "HF_ENDPOINT": self.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
         env["HF_TOKEN"] = TOKEN
         env.update(HF_HUB_DISABLE_TELEMETRY="1", DIFFUSERS_NO_ADVISORY_WARNINGS="1")
         if hub_cache is not None:
             env["HF_HUB_CACHE"] = str(hub_cache)
+            env["HF_DATASETS_CACHE"] = f"{hub_cache}-datasets"
+            env["HF_MODULES_CACHE"] = f"{hub_cache}-modules"
         return env
 
     def requests(self) -> list[dict]:
