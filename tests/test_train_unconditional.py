@@ -261,3 +261,20 @@ def test_push_to_hub_uploads_pipeline_and_snapshots(local_hub, tmp_path):
     local_snapshots = {p.name for p in (output / "ema_snapshots").glob("*.safetensors")}
     assert len(local_snapshots) == 2 and all(any(f.endswith(name) for f in files) for name in local_snapshots)
     assert not any(f.startswith(("checkpoint-", "logs/", "samples/")) for f in files)
+
+
+def test_a_network_that_does_not_fit_the_data_is_refused_before_anything_is_written(
+    script, vanilla_pipeline, tmp_path, capsys
+):
+    """A 1-channel pretrained UNet and RGB images: one line naming both, before the output folder exists (diffusers'
+    script finds out at the first forward pass, after its log folder was made)."""
+    images = write_image_folder(tmp_path / "rgb", count=8, size=16)
+    output = tmp_path / "never"
+    error = _fails(
+        script,
+        capsys,
+        ["--output_dir", output, "--pretrained_model_name_or_path", vanilla_pipeline, "--train_data_dir", images,
+         "--resolution", "16", "--report_to", "tensorboard", "--max_train_steps", "2"],
+    )  # fmt: skip
+    assert "the network takes 1-channel input but the images have 3 channels" in error
+    assert len([line for line in error.splitlines() if "error:" in line]) == 1 and not output.exists()

@@ -468,6 +468,12 @@ def build_job(config: UnconditionalConfig) -> TrainingJob:
     set_seed(config.seed)  # identical initial weights on every process
     resolution = config.resolution // codec.downsampling if codec else config.resolution
     unet = build_model(config, channels, classes, resolution)
+    takes = getattr(unet.config, "in_channels", channels)
+    if takes != channels:
+        raise ValueError(
+            f"the network takes {takes}-channel input but the {'latents' if codec else 'images'} have {channels} "
+            "channels (pretrained_model_name_or_path / model_config_name_or_path vs the data)"
+        )
     data, model_input = training_data(config, dataset, codec)
     return recipe.job(
         unet,

@@ -97,3 +97,19 @@ def check_hub_access(
         except HfHubHTTPError as error:
             raise HubAccessError(f"cannot create or use {repo_id} on {where} as {name}: {_first_line(error)}") from None
     return name
+
+
+def hub_user_name(endpoint: str | None = None, token: str | None = None) -> str:
+    """The user the credentials belong to (``whoami``); :class:`HubAccessError` with one line when there are none or
+    the Hub refuses them."""
+    with hub_errors(endpoint):
+        try:
+            return str(HfApi(endpoint=endpoint, token=token).whoami()["name"])
+        except LocalTokenNotFoundError:
+            raise HubAccessError(
+                f"no Hub credentials for {_where(endpoint)}: set HF_TOKEN or run `hf auth login`"
+            ) from None
+        except HfHubHTTPError as error:
+            raise HubAccessError(
+                f"the Hub at {_where(endpoint)} refused the credentials: {_first_line(error)}"
+            ) from None

@@ -9,10 +9,12 @@ the train split (IDX files, when installed) gives a second real-vs-real row.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..data import FASHION_MNIST_SEARCH_PATHS
 from .fd_kid import fd_kid_from_features, load_reference_images
@@ -50,14 +52,14 @@ def sanity_rows(
     def score(candidates: torch.Tensor) -> dict:
         return fd_kid_from_features(extractor(candidates), reference, extractor.name, seed, kid_subsets)
 
-    rows = [("real test A vs real test B", score(a))]
+    comparisons = [("real test A vs real test B", lambda: a)]
     if any(Path(folder, "train-images-idx3-ubyte.gz").is_file() for folder in FASHION_MNIST_SEARCH_PATHS):
-        rows.append(
-            ("real train vs real test B", score(load_reference_images("fashion-mnist-train", num_samples, seed)))
+        comparisons.append(
+            ("real train vs real test B", lambda: load_reference_images("fashion-mnist-train", num_samples, seed))
         )
-    rows += [(f"test A + Gaussian noise std {std}", score(gaussian_noise(a, std, seed))) for std in NOISE_LEVELS]
-    rows += [(f"test A blurred sigma {sigma} px", score(gaussian_blur(a, sigma))) for sigma in BLUR_SIGMAS]
-    return rows
+    comparisons += [(f"test A + Gaussian noise std {s}", partial(gaussian_noise, a, s, seed)) for s in NOISE_LEVELS]
+    comparisons += [(f"test A blurred sigma {s} px", partial(gaussian_blur, a, s)) for s in BLUR_SIGMAS]
+    return [(name, score(make())) for name, make in tqdm(comparisons, desc="comparisons", unit="row")]
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, replace_path
 from ..edm2.precond import EDMPreconditioner
 from ..integrity import folder_manifest, verify_manifest
 
@@ -233,9 +233,10 @@ class Checkpoint:
     ) -> "Checkpoint":
         """``accelerator.save_state`` into ``checkpoint-<step>`` atomically, then rotate old checkpoints.
 
-        Every process writes its own state into a temporary folder; the main process adds ``training_state.json``
-        (with ``run_id`` and the SHA-256 of every file), swaps the folder into place (replacing one of the same
-        step) and only then deletes the oldest checkpoints.
+        Every process writes its own state into one temporary folder (a fixed name all processes agree on; the
+        output folder's lock keeps other runs out); the main process adds ``training_state.json`` (with ``run_id``
+        and the SHA-256 of every file), swaps the folder into place (``atomic.replace_path``: one of the same step is
+        replaced whole) and only then deletes the oldest checkpoints.
         """
         output_dir = Path(output_dir)
         final = cls.at(output_dir, step)
@@ -254,14 +255,7 @@ class Checkpoint:
                 "files": folder_manifest(tmp, exclude=(STATE_FILE,)),
             }
             atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1))
-            old = None
-            if final.path.exists():
-                old = output_dir / f".checkpoint-{step}.old"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final.path, old)
-            os.replace(tmp, final.path)
-            if old is not None:
-                shutil.rmtree(old)
+            replace_path(tmp, final.path)  # a checkpoint of the same step (a re-run step) is replaced, never lost
             cls.rotate(output_dir, total_limit)
         accelerator.wait_for_everyone()
         return final

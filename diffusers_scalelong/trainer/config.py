@@ -281,7 +281,12 @@ class TrainingConfig:
 
     # ---------------------------------------------------------------------------------------- Hub
     push_to_hub: bool = option(False, help="upload the final pipeline (and EMA snapshots) to the Hub", group=HUB)
-    hub_model_id: str | None = option(None, help="repository id 'namespace/name' for push_to_hub", group=HUB)
+    hub_model_id: str | None = option(
+        None,
+        help="repository id 'namespace/name' for push_to_hub (default, as diffusers' scripts: your user name / the "
+        "output_dir folder's name)",
+        group=HUB,
+    )
     hub_private_repo: bool = option(False, help="create the Hub repository as private", group=HUB)
     hub_token: str | None = option(
         None,
@@ -295,8 +300,6 @@ class TrainingConfig:
         """How options combine; values are checked by the objects they configure."""
         if self.snapshot_every is not None and not self.ema_sigma_rels:
             raise ValueError("snapshot_every needs ema_sigma_rels (the post-hoc EMA profiles to snapshot)")
-        if self.push_to_hub and not self.hub_model_id:
-            raise ValueError("push_to_hub needs hub_model_id (e.g. my-name/my-model)")
         if self.hub_model_id is not None and self.hub_model_id.count("/") != 1:
             raise ValueError(f"hub_model_id must look like 'namespace/name', got {self.hub_model_id!r}")
         if self.overwrite_output_dir and self.resume_from_checkpoint is not None:

@@ -1,11 +1,10 @@
-"""Latent-space training data: EDM2's per-channel latent normalisation and a disk cache of the VAE's moments.
+"""Latent-space training data: a VAE with EDM2's latent normalisation, and a disk cache of the VAE's moments.
 
-EDM2 trains latent models on ``x = (z - mean) * scaling_factor / std`` per channel, with ``z ~ N(mu, s^2)`` drawn
-from the VAE's posterior of the image each time the image is used; its dataset tool computes ``(mu, s)`` of every
-image once. :class:`LatentCodec` holds the VAE, the statistics of its config (``latents_mean``, ``latents_std``,
-``scaling_factor``, see ``set_edm2_latent_scaling``) and the pixel range the VAE works in (``"[-1, 1]"`` or
-EDM2's ``"[0, 1]"``); :func:`cache_latent_moments` writes the moments of a dataset once, to a safetensors file named
-by a key of everything that determines them, and :class:`CachedLatents` serves them to the training loop.
+EDM2 draws ``z ~ N(mu, s^2)`` from the VAE's posterior of the image each time the image is used and trains on the
+normalised latents (:mod:`diffusers_scalelong.pipelines.latent_scaling`, which also decodes them); its dataset tool
+computes ``(mu, s)`` of every image once. :class:`LatentCodec` holds the VAE and the pixel range it works in;
+:func:`cache_latent_moments` writes the moments of a dataset once, to a safetensors file named by a key of everything
+that determines them, and :class:`CachedLatents` serves them to the training loop.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_path
-from ..pipelines.edm2_pipeline import VAE_PIXEL_RANGES
+from ..pipelines.latent_scaling import VAE_PIXEL_RANGES, has_channel_statistics, normalize_latents, to_vae_range
 
 __all__ = ["VAE_PIXEL_RANGES", "CachedLatents", "LatentCodec", "cache_latent_moments"]
 
@@ -31,8 +30,7 @@ class LatentCodec:
     """A frozen VAE with EDM2's latent normalisation: pixels in [-1, 1] -> moments ``[mu, s]`` -> normalised latents."""
 
     def __init__(self, vae: AutoencoderKL, pixel_range: str = "[-1, 1]"):
-        config = vae.config
-        if getattr(config, "latents_mean", None) is None or getattr(config, "latents_std", None) is None:
+        if not has_channel_statistics(vae.config):
             raise ValueError(
                 "vae: the VAE's config has no latents_mean / latents_std; use the VAE of an EDM2 pipeline or set "
                 "them with set_edm2_latent_scaling"
@@ -41,9 +39,6 @@ class LatentCodec:
             raise ValueError(f"VAE pixel range must be one of {list(VAE_PIXEL_RANGES)}, got {pixel_range!r}")
         self.vae = vae.eval().requires_grad_(False)
         self.pixel_range = pixel_range
-        self.mean = torch.tensor(config.latents_mean, dtype=torch.float32).reshape(1, -1, 1, 1)
-        self.std = torch.tensor(config.latents_std, dtype=torch.float32).reshape(1, -1, 1, 1)
-        self.scaling_factor = float(config.scaling_factor)
 
     @property
     def downsampling(self) -> int:
@@ -53,16 +48,14 @@ class LatentCodec:
     @torch.no_grad()
     def moments(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[mu, s]`` (2C channels, float32) of the VAE's posterior for images in [-1, 1]."""
-        low, high = VAE_PIXEL_RANGES[self.pixel_range]
-        pixels = (pixels.float() + 1) * ((high - low) / 2) + low
+        pixels = to_vae_range(pixels.float(), self.pixel_range)
         posterior = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist
         return torch.cat([posterior.mean, posterior.std], dim=1).float()
 
     def sample(self, moments: torch.Tensor) -> torch.Tensor:
-        """Normalised latents ``(mu + s n - mean) * scaling_factor / std`` with ``n`` from torch's generator."""
+        """Normalised latents of ``z = mu + s n`` (``normalize_latents``) with ``n`` from torch's generator."""
         mu, s = moments.float().chunk(2, dim=1)
-        z = mu + torch.randn_like(mu) * s
-        return (z - self.mean.to(z.device)) * (self.scaling_factor / self.std.to(z.device))
+        return normalize_latents(mu + torch.randn_like(mu) * s, self.vae.config)
 
     def describe(self) -> dict[str, Any]:
         """What determines the moments: the VAE's config, its weights' checksum and the pixel range."""

@@ -68,7 +68,7 @@ def clean_interrupted_writes(output_dir: str | os.PathLike) -> list[Path]:
     """Put right what a killed run left in its output folder: the final pipeline's temporaries, and half-written
     snapshot files and sample grids; each is named in a warning. Returns the entries handled."""
     output_dir = Path(output_dir)
-    handled = clean_stale_temporaries(output_dir, PIPELINE_TEMPORARIES)
+    handled = clean_stale_temporaries(output_dir, (*PIPELINE_TEMPORARIES, "checkpoint-*"))
     handled += clean_stale_temporaries(output_dir / SNAPSHOT_FOLDER, ("phema-*.safetensors",))
     handled += clean_stale_temporaries(output_dir / SAMPLES_FOLDER, ("*.png",))
     return handled

@@ -27,7 +27,7 @@ import torch
 from accelerate.utils import broadcast
 from tqdm.auto import tqdm
 
-from ..hub.access import check_hub_access
+from ..hub.access import check_hub_access, hub_user_name
 from ..integrity import check_finite
 from .checkpoint import Checkpoint
 from .compute import adamw_class, apply_compute_options, make_accelerator, make_diagnostics
@@ -158,8 +158,10 @@ class Trainer:
         config, job = self.config, self.job
         if config.hub_token is not None:
             os.environ["HF_TOKEN"] = config.hub_token  # read by every huggingface_hub call of this process
+        self.hub_repo_id = None
         if config.push_to_hub:  # the Hub answers and the credentials may write: checked before any work
-            check_hub_access(config.hub_model_id, private=config.hub_private_repo or None)
+            self.hub_repo_id = config.hub_model_id or f"{hub_user_name()}/{self.output_dir.resolve().name}"
+            check_hub_access(self.hub_repo_id, private=config.hub_private_repo or None)
         self.run = start_run(self.output_dir, config.resume_from_checkpoint, config.overwrite_output_dir)
         if self.run.resume_from is not None:
             self.run.resume_from.check_matches("unet", job.unet)
@@ -504,9 +506,7 @@ class Trainer:
         if pipeline is not None:
             self.run.drop_set_aside()
         if pipeline is not None and self.config.push_to_hub:
-            url = push_run_to_hub(
-                pipeline, self.output_dir, self.config.hub_model_id, private=self.config.hub_private_repo
-            )
+            url = push_run_to_hub(pipeline, self.output_dir, self.hub_repo_id, private=self.config.hub_private_repo)
             self._say(f"pushed to {url}")
         accelerator.end_training()
         return self.output_dir
