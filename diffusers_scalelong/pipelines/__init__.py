@@ -8,10 +8,13 @@ import diffusers
 from diffusers import DiffusionPipeline  # noqa: F401  (base class, for diffusers' loader)
 
 from ..hub.layout import model_card, push_pipeline_to_hub, write_hub_layout
-from .edm2_pipeline import (
+from .edm2_pipeline import EDM2Pipeline
+from .latent_scaling import (
     EDM2_SD_VAE_LATENTS_MEAN,
     EDM2_SD_VAE_LATENTS_STD,
-    EDM2Pipeline,
+    VAE_PIXEL_RANGES,
+    denormalize_latents,
+    normalize_latents,
     set_edm2_latent_scaling,
 )
 
@@ -22,7 +25,10 @@ __all__ = [
     "EDM2Pipeline",
     "EDM2_SD_VAE_LATENTS_MEAN",
     "EDM2_SD_VAE_LATENTS_STD",
+    "VAE_PIXEL_RANGES",
+    "denormalize_latents",
     "model_card",
+    "normalize_latents",
     "push_pipeline_to_hub",
     "set_edm2_latent_scaling",
     "write_hub_layout",

@@ -28,47 +28,10 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..layers import cached_weight_normalization
 from ..schedulers import EDMHeunScheduler
-from ..validation import SIGMA_RANGE, check_number, check_number_sequence, check_sigma
+from ..validation import SIGMA_RANGE, check_number, check_sigma
+from .latent_scaling import VAE_PIXEL_RANGES, check_latent_scaling, denormalize_latents, from_vae_range
 
 EDM_SCHEDULERS = (EDMHeunScheduler, EDMEulerScheduler, EDMDPMSolverMultistepScheduler)
-
-# EDM2's per-channel statistics of Stable Diffusion VAE (ft-mse) latents; normalised latents are
-# ``(z - mean) * 0.5 / std``, stored as AutoencoderKL's ``latents_mean``, ``latents_std`` and ``scaling_factor``.
-EDM2_SD_VAE_LATENTS_MEAN = (5.81, 3.25, 0.12, -2.15)
-EDM2_SD_VAE_LATENTS_STD = (4.17, 4.62, 3.71, 3.28)
-EDM2_LATENTS_FINAL_STD = 0.5
-#: Pixel ranges a VAE may work in (``vae_pixel_range``): name -> (low, high).
-VAE_PIXEL_RANGES = {"[-1, 1]": (-1.0, 1.0), "[0, 1]": (0.0, 1.0)}
-
-
-def set_edm2_latent_scaling(
-    vae: AutoencoderKL,
-    latents_mean: Sequence[float] = EDM2_SD_VAE_LATENTS_MEAN,
-    latents_std: Sequence[float] = EDM2_SD_VAE_LATENTS_STD,
-    final_std: float = EDM2_LATENTS_FINAL_STD,
-) -> AutoencoderKL:
-    """Store EDM2's per-channel latent scaling in the VAE's config (saved with it).
-
-    EDM2 normalises VAE latents channel-wise: ``x = (z - mean) * scale`` with ``scale = final_std / std``, i.e.
-    per-channel scale ``final_std / std`` and bias ``-mean * final_std / std``.
-    """
-    channels = vae.config.latent_channels
-    latents_mean = check_number_sequence("latents_mean", latents_mean)
-    latents_std = check_number_sequence("latents_std", latents_std)
-    for i, value in enumerate(latents_std):
-        check_number(f"latents_std[{i}]", value, 0.0, low_inclusive=False)
-    check_number("final_std", final_std, 0.0, low_inclusive=False)
-    if len(latents_mean) != channels or len(latents_std) != channels:
-        raise ValueError(
-            f"latents_mean and latents_std need {channels} values (the VAE's latent_channels), "
-            f"got {len(latents_mean)} and {len(latents_std)}"
-        )
-    vae.register_to_config(
-        latents_mean=[float(v) for v in latents_mean],
-        latents_std=[float(v) for v in latents_std],
-        scaling_factor=float(final_std),
-    )
-    return vae
 
 
 class EDM2Pipeline(DiffusionPipeline):
@@ -212,19 +175,11 @@ class EDM2Pipeline(DiffusionPipeline):
         return unet(model_input.to(unet.dtype), t, **kwargs).sample.to(torch.float32)
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images in [-1, 1] from normalised latents (``z = x * std / scaling_factor + mean``), the VAE's output
+        """Images in [-1, 1] from normalised latents (:func:`~.latent_scaling.denormalize_latents`), the VAE's output
         mapped from ``vae_pixel_range`` to [-1, 1]."""
-        config = self.vae.config
-        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
-            shape = (1, -1, 1, 1)
-            mean = torch.tensor(config.latents_mean, device=latents.device).reshape(shape)
-            std = torch.tensor(config.latents_std, device=latents.device).reshape(shape)
-            z = latents * std / config.scaling_factor + mean
-        else:
-            z = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+        z = denormalize_latents(latents, self.vae.config)
         images = self.vae.decode(z.to(self.vae.dtype)).sample
-        low, high = VAE_PIXEL_RANGES[self.config.get("vae_pixel_range", "[-1, 1]")]
-        return images if (low, high) == (-1.0, 1.0) else (images - low) * (2 / (high - low)) - 1
+        return from_vae_range(images, self.config.get("vae_pixel_range", "[-1, 1]"))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> EDM2Pipeline:
@@ -403,18 +358,7 @@ class EDM2Pipeline(DiffusionPipeline):
             )
 
     def _check_latent_scaling(self) -> None:
-        """The VAE config's latent scaling (``z = x * latents_std / scaling_factor + latents_mean``) must be finite,
-        with a positive ``scaling_factor`` and positive ``latents_std``: a zero would decode NaN or inf."""
-        config = self.vae.config
-        check_number("vae.config.scaling_factor", config.scaling_factor, 0.0, low_inclusive=False)
-        if getattr(config, "shift_factor", None) is not None:
-            check_number("vae.config.shift_factor", config.shift_factor)
-        for key in ("latents_mean", "latents_std"):
-            values = getattr(config, key, None)
-            if values is not None:
-                for i, value in enumerate(values):
-                    low = 0.0 if key == "latents_std" else None
-                    check_number(f"vae.config.{key}[{i}]", value, low, low_inclusive=False)
+        check_latent_scaling(self.vae.config)
 
     @staticmethod
     def _check_latents(latents: object, shape: tuple[int, ...]) -> None:
