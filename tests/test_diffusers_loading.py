@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from diffusers import EDMDPMSolverMultistepScheduler, EDMEulerScheduler
+from diffusers import AutoModel, EDMDPMSolverMultistepScheduler, EDMEulerScheduler
 from safetensors.torch import load_file
 
 from diffusers_scalelong.edm2 import LearnedUncertainty
@@ -70,6 +70,18 @@ def test_write_auto_model_files_names_the_class(tmp_path, name):
     assert config["auto_map"] == {"AutoModel": f"{SHIM}.{name}"}
     assert json.loads((tmp_path / "config.json").read_text()) == config
     assert f"{name} = _package.{name}" in (tmp_path / f"{SHIM}.py").read_text()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_auto_model_loads_a_plain_folder_once_the_package_is_imported(tmp_path, name):
+    """``config.json`` names only the class: diffusers' ``AutoModel`` finds it on the ``diffusers`` module."""
+    model = MODELS[name]()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(str(tmp_path))  # AutoModel takes a str path
+    assert type(loaded) is type(model)
+    assert all(
+        torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values(), strict=True)
+    )
 
 
 def test_write_auto_model_files_refuses_other_folders(tmp_path):

@@ -115,6 +115,20 @@ for name, repo_id, variant, trust in CASES:
 """
 
 
+# A model on its own: diffusers' ModelMixin.push_to_hub, loaded by repo id with AutoModel and with its class.
+MODEL_ROUTE = """
+from diffusers import AutoModel
+from diffusers_scalelong.models import ScaleLongUNet2DModel
+unet = build("DDPMPipeline+ScaleLongUNet2DModel").unet
+unet.push_to_hub("routes/scalelong-unet")
+for loader in (AutoModel, ScaleLongUNet2DModel):
+    loaded = loader.from_pretrained("routes/scalelong-unet", revision="main")
+    ref, got = unet.state_dict(), loaded.state_dict()
+    same = ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    print(json.dumps({"loader": loader.__name__, "class": type(loaded).__name__, "same_weights": same}), flush=True)
+"""
+
+
 def repo_id(pipeline: str, route: str) -> str:
     return f"routes/{pipeline.replace('+', '-').lower()}-{ROUTES[route][0]}"
 
@@ -135,10 +149,12 @@ def run(code: str, env: dict, cwd: Path) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
-def route_table(local_hub, tmp_path: Path, pipelines=PIPELINES, routes=tuple(ROUTES), modes=MODES) -> dict:
+def route_table(
+    local_hub, tmp_path: Path, pipelines=PIPELINES, routes=tuple(ROUTES), modes=MODES, extra: str = ""
+) -> tuple[dict, list[dict]]:
     """Push every pipeline by every route, then load every repo in every mode, each mode in a fresh process with its
-    own empty Hub cache (the imported mode in the pushing process when it is the only one); returns
-    ``{(pipeline, route, mode, trust): cell}``."""
+    own empty Hub cache (the imported mode in the pushing process when it is the only one, followed by ``extra``);
+    returns ``{(pipeline, route, mode, trust): cell}`` and the lines ``extra`` printed."""
     env = {**local_hub.env(hub_cache=tmp_path / "push-cache"), "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)  # the loaders must not see the source tree
     repos = {name: [(ROUTES[route][0], repo_id(name, route)) for route in routes] for name in pipelines}
@@ -152,10 +168,10 @@ def route_table(local_hub, tmp_path: Path, pipelines=PIPELINES, routes=tuple(ROU
     pusher = f"ROOT = {str(ROOT)!r}\nREPOS = {repos!r}\nCASES = {cases!r}\n" + PUSHER
     if modes == ("imported",):
         env["HF_MODULES_CACHE"] = str(tmp_path / "imported")
-        lines = run(pusher + LOADER, env, tmp_path)  # the pusher's Hub cache holds no file of the repos it uploaded
-        results = {"imported": lines}
+        lines = run(pusher + LOADER + extra, env, tmp_path)  # the pusher's cache holds no file of what it uploaded
+        results = {"imported": [line for line in lines if "repo" in line]}
     else:
-        run(pusher, env, tmp_path)
+        lines = run(pusher, env, tmp_path)
         results = {}
         for mode in modes:
             mode_env = {
@@ -166,21 +182,21 @@ def route_table(local_hub, tmp_path: Path, pipelines=PIPELINES, routes=tuple(ROU
             prelude = ABSENT if mode == "absent" else "import diffusers_scalelong\n" if mode == "imported" else ""
             results[mode] = run(prelude + f"CASES = {cases!r}\n" + LOADER, mode_env, tmp_path)
     table = {}
-    for mode, lines in results.items():
-        by_repo = {(line["repo"], line["trust"]): line for line in lines}
+    for mode, mode_lines in results.items():
+        by_repo = {(line["repo"], line["trust"]): line for line in mode_lines}
         if mode != "imported":
-            runs_repo_code = [line["trust"] and line["repo"].endswith("-hub-layout") for line in lines]
+            runs_repo_code = [line["trust"] and line["repo"].endswith("-hub-layout") for line in mode_lines]
             assert not any(
-                line["imported_before"] for line, last in zip(lines, runs_repo_code, strict=True) if not last
-            ), lines
+                line["imported_before"] for line, last in zip(mode_lines, runs_repo_code, strict=True) if not last
+            ), mode_lines
         for name in pipelines:
             for route in routes:
                 for trust in (False, True):
                     table[name, route, mode, trust] = by_repo[repo_id(name, route), trust]
-    return table
+    return table, [line for line in lines if "repo" not in line]
 
 
-def check_and_print(table: dict) -> None:
+def check_and_print(table: dict, extra_lines: list[dict]) -> None:
     rows = []
     for (name, route, mode, trust), cell in table.items():
         want = expected(name, route, mode, trust)
@@ -191,6 +207,9 @@ def check_and_print(table: dict) -> None:
             assert "error" in cell and any(text in cell["message"] for text in want), (name, route, mode, trust, cell)
             shown = f"{cell['error']}: {cell['message'][:110]}..."
         rows.append(f"| {name} | {route} | {mode} | {trust} | {shown} |")
+    for line in extra_lines:
+        rows.append(f"| {line['class']} alone | model.push_to_hub(repo_id) | imported | False | "
+                    f"{line['loader']}.from_pretrained: {'loads (same weights)' if line['same_weights'] else line} |")  # fmt: skip
     print("\n| pipeline | route | package | trust_remote_code | result |\n|---|---|---|---|---|\n" + "\n".join(rows))
 
 
@@ -198,9 +217,14 @@ def test_a_diffusers_push_loads_by_repo_id_once_the_package_is_imported(local_hu
     """The short version: diffusers' ``push_to_hub`` of the ScaleLong DDPM pipeline (the Hub layout's push and loads
     are in test_pipeline_hub.py)."""
     pipelines, routes = ("DDPMPipeline+ScaleLongUNet2DModel",), ("pipe.push_to_hub(repo_id)",)
-    check_and_print(route_table(local_hub, tmp_path, pipelines, routes, modes=("imported",)))
+    table, models = route_table(local_hub, tmp_path, pipelines, routes, modes=("imported",), extra=MODEL_ROUTE)
+    check_and_print(table, models)
+    assert [(line["loader"], line["class"], line["same_weights"]) for line in models] == [
+        ("AutoModel", "ScaleLongUNet2DModel", True),
+        ("ScaleLongUNet2DModel", "ScaleLongUNet2DModel", True),
+    ]
 
 
 @pytest.mark.slow
 def test_every_route_loads_by_repo_id(local_hub, tmp_path):
-    check_and_print(route_table(local_hub, tmp_path))
+    check_and_print(*route_table(local_hub, tmp_path))

@@ -7,8 +7,13 @@ loads that from the imported module; by repo id it first checks every such name 
 anything is downloaded. :func:`register_with_diffusers` (run when the package is imported) lists the modules of the
 package's component classes in that table, with the base classes and save/load methods of diffusers' own entry, so a
 repo written by diffusers' ``push_to_hub`` or ``save_pretrained(push_to_hub=True)`` loads like a local folder.
+
+A model folder's ``config.json`` names only its class, which diffusers' ``AutoModel`` looks up on the ``diffusers``
+module: the classes are made attributes of it too (as ``EDM2Pipeline`` and ``EDMHeunScheduler`` are), unless
+diffusers has its own of that name.
 """
 
+import diffusers
 from diffusers.pipelines import pipeline_loading_utils
 
 from ..edm2.uncertainty import LearnedUncertainty
@@ -27,9 +32,13 @@ COMPONENT_CLASSES = (
 
 
 def register_with_diffusers() -> list[str]:
-    """Add the modules of :data:`COMPONENT_CLASSES` to diffusers' ``LOADABLE_CLASSES``; returns the module names."""
+    """Add the modules of :data:`COMPONENT_CLASSES` to diffusers' ``LOADABLE_CLASSES`` and the classes to the
+    ``diffusers`` module; returns the module names."""
     table = pipeline_loading_utils.LOADABLE_CLASSES
     modules = sorted({cls.__module__ for cls in COMPONENT_CLASSES})
     for module in modules:
         table.setdefault(module, dict(table["diffusers"]))
+    for cls in COMPONENT_CLASSES:
+        if not hasattr(diffusers, cls.__name__):
+            setattr(diffusers, cls.__name__, cls)
     return modules
