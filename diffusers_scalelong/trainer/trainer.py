@@ -296,8 +296,8 @@ class Trainer:
         if accelerator.is_main_process:
             ensure_writable_dir(self.output_dir)
             self.run.hold_folder(self.output_dir)
-            self.run.set_aside()
             clean_interrupted_writes(self.output_dir)
+            self.run.set_aside()
         accelerator.wait_for_everyone()
         if accelerator.is_main_process and config.report_to != "none":
             name = config.tracker_project_name or self.job.tracker_name
