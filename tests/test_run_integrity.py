@@ -248,3 +248,41 @@ def test_reconstructed_folders_record_and_verify_their_files(first_run, tmp_path
     _flip_byte(folder / "diffusion_pytorch_model.safetensors")
     with pytest.raises(IntegrityError, match="diffusion_pytorch_model.safetensors is damaged"):
         read_reconstruction_record(folder)
+
+
+def test_resuming_without_the_post_hoc_ema_is_refused_not_dropped(first_run, tmp_path, capsys):
+    """A run that tracked post-hoc EMA profiles, resumed without ema_sigma_rels, would lose them without a word."""
+    output = tmp_path / "out"
+    shutil.copytree(first_run, output)
+    before = _tree(output)
+    argv = [*TINY_UNET, "--diagnostics_every", 0, "--checkpointing_steps", 4]  # RUN without the post-hoc EMA
+    main = load_script_module(TRAIN_UNCONDITIONAL).main
+    message = _refused(
+        main, ["--output_dir", output, *argv, "--max_train_steps", 12, "--resume_from_checkpoint", "latest"], capsys
+    )
+    assert "tracks a post-hoc EMA (posthoc_ema.safetensors); resume it with the same --ema_sigma_rels" in message
+    assert _tree(output) == before
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_one_line_and_leaves_no_half_written_folder(tmp_path):
+    """A file-size limit (``RLIMIT_FSIZE``) makes every write past 1 MB fail as a full disk does (Python ignores
+    SIGXFSZ, so the write raises): the model files (0.65 MB) fit, the optimiser state (1.3 MB) does not."""
+    import resource
+    import subprocess
+    import sys
+
+    from _training_scripts import ROOT, script_env
+
+    limit = 1 << 20
+    output = tmp_path / "out"
+    argv = [*TINY_UNET, "--diagnostics_every", 0, "--checkpointing_steps", 2, "--max_train_steps", 4]
+    result = subprocess.run(
+        [sys.executable, str(TRAIN_UNCONDITIONAL), "--output_dir", str(output), *map(str, argv)],
+        capture_output=True, text=True, env=script_env(), cwd=ROOT, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert "checkpoint-2 could not be written" in line and "resume_from_checkpoint latest" in line
+    assert not list(output.glob("checkpoint-*")) and not list(output.glob(".checkpoint-*"))

@@ -42,19 +42,16 @@ from diffusers_scalelong.trainer import (
     sample_rows,
     script_main,
 )
-from diffusers_scalelong.trainer.config import non_negative_float, positive_float, positive_int
+from diffusers_scalelong.trainer.config import (
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 MODEL, DATA, LOSS = "model", "data", "loss"
 REQUIRED_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
-DEFAULTS = dict(
-    learning_rate=1e-5,
-    lr_warmup_steps=0,
-    adam_beta1=0.9,
-    adam_beta2=0.999,
-    adam_weight_decay=1e-2,
-    max_grad_norm=1.0,
-    num_inference_steps=25,
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +61,21 @@ class TextToImageConfig(TrainingConfig):
     train_batch_size: int = option(
         1, help="images per device and micro-step", group="output and steps", type=positive_int
     )
-    learning_rate: float | None = option(
-        None, help="peak learning rate (default: 1e-5)", group="optimiser", type=positive_float
+    # diffusers' text-to-image defaults where the shared options leave them to the script
+    learning_rate: float = option(1e-5, help="peak learning rate", group="optimiser", type=positive_float)
+    lr_warmup_steps: int = option(0, help="linear warm-up steps", group="optimiser", type=non_negative_int)
+    adam_beta1: float = option(0.9, help="Adam beta1", group="optimiser", type=fraction)
+    adam_beta2: float = option(0.999, help="Adam beta2", group="optimiser", type=fraction)
+    adam_weight_decay: float = option(1e-2, help="AdamW weight decay", group="optimiser", type=non_negative_float)
+    max_grad_norm: float = option(
+        1.0, help="gradient clipping norm, 0 = off", group="optimiser", type=non_negative_float
+    )
+    num_inference_steps: int = option(
+        25,
+        help="sampler steps for grids",
+        group="checkpoints and samples",
+        aliases=("--ddpm_num_inference_steps",),
+        type=positive_int,
     )
 
     # ---------------------------------------------------------------------------------------- model
@@ -154,20 +164,18 @@ class TextToImageConfig(TrainingConfig):
     )
 
     dream_training: bool = option(False, help="not offered here: DREAM training is refused", group=LOSS)
+    dream_detail_preservation: float | None = option(
+        None, help="not offered here: it applies to dream_training", group=LOSS
+    )
     non_ema_revision: str | None = option(
         None, help="not offered here: the trained UNet is always loaded from revision", group=LOSS
     )
-
-    @classmethod
-    def resolve_defaults(cls, values: dict) -> dict:
-        """The options left unset take the values of diffusers' text-to-image example."""
-        return {**values, **{key: value for key, value in DEFAULTS.items() if values[key] is None}}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.wants_grids and not self.validation_prompts:
             raise ValueError("save_images_steps / save_images_epochs need validation_prompts")
-        if self.dream_training:
+        if self.dream_training or self.dream_detail_preservation is not None:
             raise ValueError("dream_training (DREAM) is not offered by this script; train without it")
         if self.non_ema_revision is not None:
             raise ValueError(

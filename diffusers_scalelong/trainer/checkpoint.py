@@ -44,6 +44,23 @@ def architecture_config(config: dict) -> dict:
     return {key: value for key, value in dict(config).items() if key not in _NON_ARCHITECTURE_KEYS}
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, quota); nothing half-written is left."""
+
+
+# torch.save reports a failed write of its zip container as a RuntimeError of its C++ stream, with these words
+_TORCH_WRITE_FAILURES = ("iostream error", "PytorchStreamWriter failed", "unexpected pos")
+
+
+def _is_write_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or one it arose from) is a failed file write rather than a bug."""
+    while error is not None:
+        if isinstance(error, OSError) or any(words in str(error) for words in _TORCH_WRITE_FAILURES):
+            return True
+        error = error.__context__
+    return False
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """The checkpoint folder ``path`` (named ``checkpoint-<step>``)."""
@@ -244,18 +261,29 @@ class Checkpoint:
         if accelerator.is_main_process and tmp.exists():
             shutil.rmtree(tmp)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
+        try:
+            accelerator.save_state(str(tmp))
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                state = {
+                    "global_step": step,
+                    "num_processes": accelerator.num_processes,
+                    "distributed_type": distributed_type,
+                    "run_id": run_id,
+                    "files": folder_manifest(tmp, exclude=(STATE_FILE,)),
+                }
+                atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1))
+                replace_path(tmp, final.path)  # a checkpoint of the same step (a re-run step) is replaced, never lost
+        except (OSError, RuntimeError) as error:  # a full disk, a quota: the half-written folder goes
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not _is_write_failure(error):
+                raise
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else "the disk refused the write"
+            raise CheckpointWriteError(
+                f"{final.path.name} could not be written ({reason}); the earlier checkpoints are intact: free space "
+                "and resume with --resume_from_checkpoint latest"
+            ) from error
         if accelerator.is_main_process:
-            state = {
-                "global_step": step,
-                "num_processes": accelerator.num_processes,
-                "distributed_type": distributed_type,
-                "run_id": run_id,
-                "files": folder_manifest(tmp, exclude=(STATE_FILE,)),
-            }
-            atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1))
-            replace_path(tmp, final.path)  # a checkpoint of the same step (a re-run step) is replaced, never lost
             cls.rotate(output_dir, total_limit)
         accelerator.wait_for_everyone()
         return final

@@ -74,7 +74,7 @@ def _add_option(group: argparse._ArgumentGroup, field: dataclasses.Field, hints:
     flags = [f"--{field.name}", *meta["aliases"]]
     default = None if field.default is dataclasses.MISSING else field.default
     help_text = flag_message(meta["help"], config_class)
-    shown = default not in (None, False, ()) and "default" not in help_text
+    shown = not (default is None or default is False or default == ()) and "default" not in help_text
     if shown:
         help_text += f" (default: {' '.join(map(str, default)) if isinstance(default, tuple) else default})"
     kwargs: dict[str, Any] = dict(dest=field.name, help=help_text, default=default)
@@ -170,10 +170,11 @@ def script_main(
     """The ``main(argv) -> exit status`` of a training script: parse -> configuration -> ``train(config)``.
 
     Bad input (``ValueError``) or a Hub that cannot be reached or refuses the credentials (``HubAccessError``) exits
-    with status 2 and one line naming the flags; a diverged loss exits with status 1 naming the last good checkpoint.
+    with status 2 and one line naming the flags; a diverged loss, or a checkpoint the disk has no room for, exits with
+    status 1 and one line naming what is intact.
     """
     from ..hub.access import HubAccessError
-    from .checkpoint import Checkpoint
+    from .checkpoint import Checkpoint, CheckpointWriteError
     from .trainer import TrainingDiverged
 
     def main(argv: Sequence[str] | None = None) -> int:
@@ -187,6 +188,9 @@ def script_main(
             train(config)
         except (ValueError, HubAccessError) as error:
             parser.exit(2, f"{parser.prog}: error: {flag_message(str(error), config_class)}\n")
+        except CheckpointWriteError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
         except TrainingDiverged as error:
             found = Checkpoint.find_all(config.output_dir)
             where = f"The last good checkpoint is {found[-1]}; " if found else "No checkpoint was written yet; "

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..atomic import clean_stale_temporaries, replace_path, staging_folder
+from ..sources import is_hub_repo
 from .run_identity import SAMPLES_FOLDER, SNAPSHOT_FOLDER
 
 PIPELINE_TEMPORARIES = ("pipeline", "*.old")  # the staging folder and the components moved aside
@@ -74,16 +75,33 @@ def clean_interrupted_writes(output_dir: str | os.PathLike) -> list[Path]:
     return handled
 
 
-def push_run_to_hub(pipeline, output_dir: str | os.PathLike, repo_id: str, private: bool = False) -> str:
+def push_run_to_hub(
+    pipeline,
+    output_dir: str | os.PathLike,
+    repo_id: str,
+    private: bool = False,
+    *,
+    ema: bool = False,
+    base_model: str | None = None,
+    dataset: str | None = None,
+) -> str:
     """Upload the final pipeline (Hub-native layout with model card) and the run's post-hoc EMA snapshots.
 
-    Returns the pipeline commit URL. Credentials and endpoint come from the environment (``HF_TOKEN``,
-    ``HF_ENDPOINT``), as for every ``huggingface_hub`` call.
+    The card says whether the weights are an EMA (``ema``: the classic EMA of ``use_ema``) or the raw trained ones,
+    and names ``base_model`` and ``dataset`` where they are Hub repos. Returns the pipeline commit URL. Credentials
+    and endpoint come from the environment (``HF_TOKEN``, ``HF_ENDPOINT``), as for every ``huggingface_hub`` call.
     """
     from ..ema.hub_transfer import push_snapshots
-    from ..pipelines import push_pipeline_to_hub
+    from ..hub import push_pipeline_to_hub
 
-    url = push_pipeline_to_hub(pipeline, repo_id, private=private or None)
+    url = push_pipeline_to_hub(
+        pipeline,
+        repo_id,
+        private=private or None,
+        ema=ema,
+        base_model=base_model if base_model and is_hub_repo(base_model) else None,
+        dataset=dataset if dataset and is_hub_repo(dataset) else None,
+    )
     snapshots = Path(output_dir) / SNAPSHOT_FOLDER
     if snapshots.is_dir() and any(snapshots.glob("*.safetensors")):
         push_snapshots(snapshots, repo_id)

@@ -344,16 +344,16 @@ class Trainer:
             else "{desc}: {n_fmt} [{elapsed}, {rate_fmt}{postfix}]",
         )
         first_epoch = self.global_step // plan.steps_per_epoch
-        for epoch in range(first_epoch, plan.num_epochs):
-            if self.stop:
-                break
-            for batch in self._batches(epoch, skip=epoch == first_epoch):
-                self.step(batch)
-                if self.accelerator.sync_gradients:
-                    self.after_step()
+        with self.progress:  # closed however the loop ends, so that what follows starts a line of its own
+            for epoch in range(first_epoch, plan.num_epochs):
                 if self.stop:
                     break
-        self.progress.close()
+                for batch in self._batches(epoch, skip=epoch == first_epoch):
+                    self.step(batch)
+                    if self.accelerator.sync_gradients:
+                        self.after_step()
+                    if self.stop:
+                        break
 
     def _batches(self, epoch: int, skip: bool) -> Iterable:
         """The loader's batches of ``epoch``; on resuming, without the ones the checkpoint had already used."""
@@ -506,7 +506,16 @@ class Trainer:
         if pipeline is not None:
             self.run.drop_set_aside()
         if pipeline is not None and self.config.push_to_hub:
-            url = push_run_to_hub(pipeline, self.output_dir, self.hub_repo_id, private=self.config.hub_private_repo)
+            config = self.config
+            url = push_run_to_hub(
+                pipeline,
+                self.output_dir,
+                self.hub_repo_id,
+                private=config.hub_private_repo,
+                ema=config.use_ema,
+                base_model=getattr(config, "pretrained_model_name_or_path", None),
+                dataset=getattr(config, "dataset_name", None),
+            )
             self._say(f"pushed to {url}")
         accelerator.end_training()
         return self.output_dir
