@@ -271,17 +271,16 @@ class UnconditionalConfig(TrainingConfig):
     )
     latent_cache_dir: str | None = option(None, help="latent cache folder (default: OUTPUT_DIR/latents)", group=LATENT)
 
-    @classmethod
-    def resolve_defaults(cls, values: dict) -> dict:
-        """The options left unset take the recipe's values, and with ``edm2_preset`` the paper's recipe of that
-        preset (``EDM2Preset``: reference lr, P_mean, P_std and t_ref as the lr decay steps)."""
-        defaults = dict(RECIPE_DEFAULTS[values["recipe"]])
-        if values["recipe"] == "edm2" and values["edm2_preset"] is not None:
-            preset = get_edm2_preset(values["edm2_preset"], dataset=EDM2_PRESET_DATASET)
+    def derived_defaults(self) -> dict:
+        """The recipe's values, and with ``edm2_preset`` the paper's recipe of that preset (``EDM2Preset``: reference
+        lr, P_mean, P_std and t_ref as the lr decay steps)."""
+        defaults = dict(RECIPE_DEFAULTS[self.recipe])
+        if self.recipe == "edm2" and self.edm2_preset is not None:
+            preset = get_edm2_preset(self.edm2_preset, dataset=EDM2_PRESET_DATASET)
             defaults.update(
                 learning_rate=preset.ref_lr, P_mean=preset.P_mean, P_std=preset.P_std, lr_ref_steps=preset.t_ref
             )
-        return {**values, **{key: value for key, value in defaults.items() if values[key] is None}}
+        return defaults
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,8 +2,8 @@
 
 Each option is declared once, as a field with :func:`option` metadata (help text, help group, extra flag names,
 argparse type). :func:`build_parser` turns the fields into an ``argparse`` parser with one ``--<field name>`` flag
-each; :func:`parse_config` parses, lets the configuration class fill the defaults it derives (``resolve_defaults``)
-and builds the frozen configuration, whose ``__post_init__`` checks the options against each other.
+each; :func:`parse_config` parses and builds the frozen configuration, which fills the defaults it derives and checks
+the options against each other as it is built.
 
 transformers' ``HfArgumentParser`` does the same for plain dataclasses, but it would make transformers a dependency
 of every training run, and it has no help groups, argparse types or flag aliases; this module is the small part of
@@ -110,13 +110,9 @@ def build_parser(config_class: type, description: str) -> argparse.ArgumentParse
 
 
 def parse_config(parser: argparse.ArgumentParser, config_class: type, argv: Sequence[str] | None):
-    """Parse ``argv`` with ``parser`` (:func:`build_parser`) into a frozen ``config_class``: the parsed values, then
-    the defaults the class derives from them (its ``resolve_defaults(values) -> values`` classmethod, if any), then
-    its own cross-option checks (``__post_init__``)."""
+    """Parse ``argv`` with ``parser`` (:func:`build_parser`) into a frozen ``config_class`` (which fills the defaults
+    it derives and checks how the options combine as it is built)."""
     values = {key: tuple(v) if isinstance(v, list) else v for key, v in vars(parser.parse_args(argv)).items()}
-    resolve = getattr(config_class, "resolve_defaults", None)
-    if resolve is not None:
-        values = resolve(values)
     return config_class(**values)
 
 

@@ -3,7 +3,7 @@
 :class:`TrainingConfig` holds the options every script shares (output, steps, optimiser, Accelerate, checkpoints,
 EMA, Hub); a script subclasses it with its model, recipe and data options. Each field is also a command-line option
 (:func:`~diffusers_scalelong.trainer.cli.option`). Values a recipe chooses (``learning_rate`` and the others whose
-field default is ``None``) are filled by the subclass's ``resolve_defaults`` before the configuration is built.
+field default is ``None``) are filled by the subclass's ``derived_defaults`` while the configuration is built.
 
 The configuration checks only how options combine (``__post_init__``); each value is checked by the object it
 configures (the loss checks ``P_std``, the EMA tracker ``sigma_rels``, the model its widths), which the trainer builds
@@ -296,8 +296,15 @@ class TrainingConfig:
     )
 
     # ---------------------------------------------------------------------------------------- checks
+    def derived_defaults(self) -> dict:
+        """Values for the options left ``None`` that the script derives from others (e.g. its recipe's)."""
+        return {}
+
     def __post_init__(self) -> None:
-        """How options combine; values are checked by the objects they configure."""
+        """The derived defaults, then how options combine; values are checked by the objects they configure."""
+        for key, value in self.derived_defaults().items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)  # still being built: frozen once __init__ returns
         if self.snapshot_every is not None and not self.ema_sigma_rels:
             raise ValueError("snapshot_every needs ema_sigma_rels (the post-hoc EMA profiles to snapshot)")
         if self.hub_model_id is not None and self.hub_model_id.count("/") != 1:
