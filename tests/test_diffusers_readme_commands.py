@@ -56,10 +56,12 @@ def test_unconditional_readme_command_trains_with_ema_and_pushes(tmp_path, local
     assert unet["sample_size"] == 64 and unet["in_channels"] == 3  # --resolution, RGB flowers
     assert (output / "checkpoint-2" / "unet_ema").is_dir()  # --use_ema: the classic EMA is kept and checkpointed
     # --push_to_hub without --hub_model_id: diffusers' repo name, <user>/<output folder name>
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, hf_hub_download
 
     files = HfApi(endpoint=local_hub.endpoint, token=TOKEN).list_repo_files(f"{LOCAL_USER}/ddpm-ema-flowers-64")
     assert "model_index.json" in files and "unet/diffusion_pytorch_model.safetensors" in files
+    card = hf_hub_download(f"{LOCAL_USER}/ddpm-ema-flowers-64", "README.md", endpoint=local_hub.endpoint, token=TOKEN)
+    assert "The weights are an exponential moving average (EMA) of the training weights." in open(card).read()
     # the pipeline holds the EMA weights (diffusers' script saves the EMA model): equal to the checkpoint's EMA copy
     ema = load_file(output / "checkpoint-2" / "unet_ema" / "diffusion_pytorch_model.safetensors")
     saved = load_file(output / "unet" / "diffusion_pytorch_model.safetensors")

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,6 +262,8 @@ def test_push_to_hub_uploads_pipeline_and_snapshots(local_hub, tmp_path):
     local_snapshots = {p.name for p in (output / "ema_snapshots").glob("*.safetensors")}
     assert len(local_snapshots) == 2 and all(any(f.endswith(name) for f in files) for name in local_snapshots)
     assert not any(f.startswith(("checkpoint-", "logs/", "samples/")) for f in files)
+    card = HfApi(endpoint=local_hub.endpoint).hf_hub_download("trainer/tiny-ddpm", "README.md", cache_dir=tmp_path)
+    assert "The weights are the raw training weights (no EMA)." in Path(card).read_text()  # no --use_ema
 
 
 def test_a_network_that_does_not_fit_the_data_is_refused_before_anything_is_written(

@@ -309,6 +309,8 @@ def build_job(config: TextToImageConfig) -> TrainingJob:
         frozen=[components["vae"], components["text_encoder"]],
         tracker_name="train_text_to_image",
         description=f"text-to-image fine-tuning, lsc {config.lsc}",
+        base_model=source,
+        dataset_name=config.dataset_name,
     )
 
 

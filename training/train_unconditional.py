@@ -481,6 +481,8 @@ def build_job(config: UnconditionalConfig) -> TrainingJob:
         class_names=class_names(dataset, num_classes(dataset)) if config.class_conditional else None,
         frozen=[codec.vae] if codec else [],
         tracker_name="train_unconditional",
+        base_model=config.pretrained_model_name_or_path,
+        dataset_name=config.dataset_name,
     )
 
 

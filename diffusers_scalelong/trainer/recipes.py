@@ -105,6 +105,8 @@ class Recipe:
         class_names: list[str] | None = None,
         frozen: list | None = None,
         tracker_name: str = "train",
+        base_model: str | None = None,
+        dataset_name: str | None = None,
     ) -> TrainingJob:
         """The :class:`TrainingJob` of ``unet`` on ``dataset``, whose batches give the images (or latents) through
         ``model_input`` and their class labels as ``class_labels``."""
@@ -121,6 +123,8 @@ class Recipe:
             tracker_name=tracker_name,
             description=f"recipe {self.name}",
             save_extras=self.save_extras,
+            base_model=base_model,
+            dataset_name=dataset_name,
         )
 
     def save_extras(self, folder: Path, unet: torch.nn.Module, module: torch.nn.Module) -> None:

@@ -66,6 +66,8 @@ class TrainingJob:
         description: logged at the start.
         save_extras: ``(folder, unet, module)`` writes what the saved pipeline folder holds besides the pipeline of
             ``unet`` (e.g. EDM2's preconditioner files), given the whole trained ``module``; or None.
+        base_model, dataset_name: where the weights and the data came from (named on a pushed model's card when
+            they are Hub repos).
     """
 
     module: torch.nn.Module
@@ -80,6 +82,8 @@ class TrainingJob:
     tracker_name: str = "train"
     description: str = ""
     save_extras: Callable | None = None
+    base_model: str | None = None
+    dataset_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -513,8 +517,8 @@ class Trainer:
                 self.hub_repo_id,
                 private=config.hub_private_repo,
                 ema=config.use_ema,
-                base_model=getattr(config, "pretrained_model_name_or_path", None),
-                dataset=getattr(config, "dataset_name", None),
+                base_model=self.job.base_model,
+                dataset=self.job.dataset_name,
             )
             self._say(f"pushed to {url}")
         accelerator.end_training()
