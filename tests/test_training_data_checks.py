@@ -74,7 +74,7 @@ def test_images_smaller_than_the_resolution_are_found_among_all(tmp_path, monkey
     folder = write_folder(tmp_path / "images", ["RGB"] * 6)
     Image.new("RGB", (16, 8)).save(folder / "5.png")
     monkeypatch.setattr("diffusers_scalelong.trainer.dataset_checks.FULLY_DECODED", 1)  # headers alone find it
-    with pytest.raises(ValueError, match="some images are 8 pixels on their shorter side, smaller than --resolution"):
+    with pytest.raises(ValueError, match="some images are 8 pixels on their shorter side, smaller than resolution"):
         load_training_dataset(train_data_dir=str(folder), resolution=16)
     assert len(load_training_dataset(train_data_dir=str(folder), resolution=16, allow_upscaling=True)) == 6
 

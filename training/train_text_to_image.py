@@ -115,7 +115,9 @@ class TextToImageConfig(TrainingConfig):
     cache_dir: str | None = option(None, help="`datasets` cache folder (default: the datasets library's)", group=DATA)
     image_column: str = option("image", help="image column", group=DATA)
     caption_column: str = option("text", help="caption column (a string or a list of strings)", group=DATA)
-    resolution: int = option(512, help="training resolution in pixels", group=DATA, type=positive_int)
+    resolution: int = option(
+        512, help="image size in pixels the model trains at", group=DATA, type=positive_int, parameter="resolution"
+    )
     center_crop: bool = option(False, help="crop the centre instead of a random square", group=DATA)
     random_flip: bool = option(False, help="mirror half of the images left-right", group=DATA)
     allow_upscaling: bool = option(False, help="accept images smaller than resolution", group=DATA)

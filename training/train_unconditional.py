@@ -239,7 +239,11 @@ class UnconditionalConfig(TrainingConfig):
     image_column: str | None = option(None, help="image column (default: the first image column)", group=DATA)
     label_column: str | None = option(None, help="label column for class_conditional (default: label)", group=DATA)
     resolution: int = option(
-        32, help="training resolution (images are resized, then cropped)", group=DATA, type=positive_int
+        32,
+        help="image size in pixels the model trains at (images are resized, then cropped)",
+        group=DATA,
+        type=positive_int,
+        parameter="resolution",
     )
     center_crop: bool = option(False, help="crop the centre instead of a random square", group=DATA)
     random_flip: bool = option(False, help="mirror half of the images left-right", group=DATA)
@@ -252,7 +256,7 @@ class UnconditionalConfig(TrainingConfig):
         None,
         help="train on the latents of this AutoencoderKL (local folder or Hub id; its config needs latents_mean / "
         "latents_std); default: the VAE of an EDM2 pretrained_model_name_or_path that has one. resolution stays "
-        "the pixel resolution",
+        "the size in pixels",
         group=LATENT,
         parameter="vae",
     )

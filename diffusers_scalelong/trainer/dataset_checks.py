@@ -130,8 +130,8 @@ def check_image_sizes(survey: ImageSurvey, resolution: int, source: str) -> None
     """Refuse images shorter than ``resolution`` on their shorter side."""
     if survey.count and survey.min_side < resolution:
         raise ValueError(
-            f"{source}: some images are {survey.min_side} pixels on their shorter side, smaller than --resolution "
-            f"{resolution}; lower --resolution or pass --allow_upscaling"
+            f"{source}: some images are {survey.min_side} pixels on their shorter side, smaller than resolution "
+            f"{resolution}; lower resolution or pass allow_upscaling"
         )
 
 
@@ -142,21 +142,21 @@ def class_count(dataset: datasets.Dataset, source: str = "the training dataset")
     floats (0.9 is not a class), negative labels (-1 is how ``datasets`` writes "no label"), missing ones.
     """
     if "label" not in dataset.column_names:
-        raise ValueError(f"--class_conditional needs labels, but {source} has no label column (--label_column)")
+        raise ValueError(f"class_conditional needs labels, but {source} has no label column (label_column)")
     feature = dataset.features["label"]
     dtype = feature.dtype if isinstance(feature, datasets.Value) else None
     if not isinstance(feature, datasets.ClassLabel) and not (dtype or "").startswith(("int", "uint", "float")):
-        raise ValueError(f"--class_conditional: the label column of {source} holds {feature!r}, not class labels")
+        raise ValueError(f"class_conditional: the label column of {source} holds {feature!r}, not class labels")
     labels = dataset.with_format("arrow")["label"]
     if labels.null_count:
         first = next(index for index, value in enumerate(labels.is_null().to_pylist()) if value)
-        raise ValueError(f"--class_conditional: row #{first} of {source} has no label")
+        raise ValueError(f"class_conditional: row #{first} of {source} has no label")
     values = labels.to_numpy()
     if dtype is not None and dtype.startswith("float"):
         bad = np.flatnonzero(values != np.round(values))  # NaN != NaN: found too
         first = int(bad[0]) if bad.size else 0
         raise ValueError(
-            f"--class_conditional: the labels of {source} are floats ({dtype}; row #{first} is {values[first]}), "
+            f"class_conditional: the labels of {source} are floats ({dtype}; row #{first} is {values[first]}), "
             "but a class label is an integer 0, 1, ...: store the label column as integers"
         )
     classes = feature.num_classes if isinstance(feature, datasets.ClassLabel) else int(values.max(initial=-1)) + 1
@@ -164,7 +164,7 @@ def class_count(dataset: datasets.Dataset, source: str = "the training dataset")
     if bad.size:
         first = int(bad[0])
         raise ValueError(
-            f"--class_conditional: row #{first} of {source} has label {values[first]}, outside the classes 0 to "
+            f"class_conditional: row #{first} of {source} has label {values[first]}, outside the classes 0 to "
             f"{classes - 1}" + ("; -1 is how datasets marks an image without a label" if values[first] == -1 else "")
         )
     return classes

@@ -75,7 +75,7 @@ def _lock_or_collect(descriptor: int, path: Path) -> None:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def lock_folder(folder: str | os.PathLike, option: str = "--output_dir") -> FolderLock:
+def lock_folder(folder: str | os.PathLike, option: str = "output_dir") -> FolderLock:
     """Take the exclusive lock on ``folder`` (which must exist) without waiting.
 
     Raises ``ValueError`` naming ``option``, the folder and the other run's pid and host when another process holds

@@ -1,4 +1,4 @@
-"""Which training run an output folder belongs to, who may write into it, and how ``--overwrite_output_dir``
+"""Which training run an output folder belongs to, who may write into it, and how ``overwrite_output_dir``
 replaces an earlier run.
 
 A fresh run gets a random run id (``uuid4().hex``), recorded in every checkpoint's ``training_state.json`` and in
@@ -9,9 +9,9 @@ Rules (:func:`start_run`):
 
 * one writer per folder: the main process locks the folder for the whole run (:mod:`.folder_lock`); a second run
   into it is refused, naming the first one's pid and host;
-* a fresh run refuses a folder that already holds checkpoints or snapshots unless ``--overwrite_output_dir``;
+* a fresh run refuses a folder that already holds checkpoints or snapshots unless ``overwrite_output_dir``;
   a resume refuses a folder whose checkpoints or snapshots come from more than one run;
-* ``--overwrite_output_dir`` replaces, never deletes first: :meth:`RunStart.set_aside` moves the earlier run's
+* ``overwrite_output_dir`` replaces, never deletes first: :meth:`RunStart.set_aside` moves the earlier run's
   checkpoints, snapshots and sample grids into one hidden folder ``.set-aside-<new run id>`` once every check has
   passed; they are deleted when the new run has written its first checkpoint (or its final pipeline), and put back
   when it stops before. A set-aside folder left by a killed run is settled by the same rule at the next start.
@@ -85,7 +85,7 @@ def _check_single_run(runs: dict[str | None, list[Path]], run_id: str | None, wh
             raise ValueError(
                 f"the output folder mixes two training runs: {mine[0]} belongs to run {_run_name(run_id)}, but "
                 f"{files[0]} (and {len(files) - 1} more) to run {_run_name(other)}; move the other run's files away "
-                "or train into another --output_dir"
+                "or train into another output_dir"
             )
 
 
@@ -160,7 +160,7 @@ def settle_set_aside(output_dir: Path, aside: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"{aside / SET_ASIDE_RECORD} cannot be read ({error}); it holds an earlier run set aside by "
-            "--overwrite_output_dir: move its entries back into the output folder or delete it"
+            "overwrite_output_dir: move its entries back into the output folder or delete it"
         ) from error
     evidence = _new_run_took_over(output_dir, record)
     if evidence is not None:
@@ -195,7 +195,7 @@ def recover_set_aside(output_dir: str | os.PathLike) -> None:
         settle_set_aside(output_dir, aside)
     for leftover in output_dir.glob(f"{_OLD_DISCARD_PREFIX}*"):
         shutil.rmtree(leftover)
-        logger.warning("removed %s, left half-deleted by an interrupted --overwrite_output_dir", leftover)
+        logger.warning("removed %s, left half-deleted by an interrupted overwrite_output_dir", leftover)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -224,7 +224,7 @@ class RunStart:
     """How a training run starts and what it holds while it runs.
 
     Attributes: ``run_id``; ``resume_from`` (the checkpoint resumed, or ``None``); ``discard``: the earlier run's
-    entries that ``--overwrite_output_dir`` replaces (empty on other processes than the main one).
+    entries that ``overwrite_output_dir`` replaces (empty on other processes than the main one).
 
     The main process's instance holds the output folder's lock until :meth:`close` (or the ``with`` block ends, or
     the object is garbage-collected, or the process ends). Closing settles an earlier run set aside and not yet
@@ -266,7 +266,7 @@ class RunStart:
         if now != (self.resume_from and self.resume_from.path, sorted(self.discard)):
             held.close()
             raise ValueError(
-                f"--output_dir {str(output_dir)!r} changed while this run was being set up (another run wrote into "
+                f"output_dir {str(output_dir)!r} changed while this run was being set up (another run wrote into "
                 "it); start again"
             )
         held._close.detach()
@@ -281,7 +281,7 @@ class RunStart:
             return self._hold.aside
         self._hold.aside = set_aside(self._hold.output_dir, present, self.run_id)
         logger.warning(
-            "--overwrite_output_dir: moved the earlier run's %s into %s; it is deleted once this run writes its "
+            "overwrite_output_dir: moved the earlier run's %s into %s; it is deleted once this run writes its "
             "first checkpoint, and put back if it stops before",
             ", ".join(path.name for path in present),
             self._hold.aside.name,
@@ -293,7 +293,7 @@ class RunStart:
         aside, self._hold.aside = self._hold.aside, None
         if aside is not None and aside.exists():
             delete_set_aside(aside)
-            logger.warning("--overwrite_output_dir: deleted the earlier run (%s)", aside.name)
+            logger.warning("overwrite_output_dir: deleted the earlier run (%s)", aside.name)
 
     def restore_set_aside(self) -> None:
         """The run is stopping on an error: put the earlier run back (unless this run has already written a
@@ -329,7 +329,7 @@ def start_run(
     is_main_process: bool | None = None,
     hold: bool = True,
 ) -> RunStart:
-    """Decide how a run starts from ``--resume_from_checkpoint`` (``resume``) and ``--overwrite_output_dir``.
+    """Decide how a run starts from ``resume_from_checkpoint`` (``resume``) and ``overwrite_output_dir``.
 
     On the main process (``is_main_process``; ``None``: from the ``RANK`` environment variable) an existing folder
     is locked first and what killed runs left is settled (:func:`recover_set_aside`); other processes only read.
@@ -340,7 +340,7 @@ def start_run(
     """
     output_dir = Path(output_dir)
     if overwrite and resume is not None:
-        raise ValueError("pass either --resume_from_checkpoint or --overwrite_output_dir, not both")
+        raise ValueError("pass either resume_from_checkpoint or overwrite_output_dir, not both")
     main = _is_main_process_from_env() if is_main_process is None else is_main_process
     lock = lock_folder(output_dir) if main and hold and output_dir.is_dir() else None
     try:
@@ -358,7 +358,7 @@ def _decide(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[str 
     """``(run id, checkpoint resumed, entries to replace)``; reads only (a missing folder holds no run)."""
     if not output_dir.is_dir():
         if resume not in (None, "latest"):
-            raise ValueError(f"--resume_from_checkpoint {resume!r}: --output_dir {str(output_dir)!r} does not exist")
+            raise ValueError(f"resume_from_checkpoint {resume!r}: output_dir {str(output_dir)!r} does not exist")
         return new_run_id(), None, ()
     resume_from = Checkpoint.resolve(resume, output_dir)
     runs = recorded_runs(output_dir)
@@ -375,15 +375,15 @@ def _decide(output_dir: Path, resume: str | None, overwrite: bool) -> tuple[str 
         found = f"({names}{', ...' if len(existing) > 3 else ''}; run {ids})"
         if resume is None:
             raise ValueError(
-                f"--output_dir {str(output_dir)!r} already holds another training run's checkpoints or snapshots "
-                f"{found}; continue it with --resume_from_checkpoint latest, choose another --output_dir, or pass "
-                "--overwrite_output_dir to replace them (they are deleted once the new run writes its first "
+                f"output_dir {str(output_dir)!r} already holds another training run's checkpoints or snapshots "
+                f"{found}; continue it with resume_from_checkpoint latest, choose another output_dir, or pass "
+                "overwrite_output_dir to replace them (they are deleted once the new run writes its first "
                 "checkpoint)"
             )
         raise ValueError(
-            f"--resume_from_checkpoint latest: {str(output_dir)!r} holds no checkpoint to resume, but another "
-            f"training run's snapshots {found}; to start afresh, pass --overwrite_output_dir instead (it replaces "
-            "them) or choose another --output_dir"
+            f"resume_from_checkpoint latest: {str(output_dir)!r} holds no checkpoint to resume, but another "
+            f"training run's snapshots {found}; to start afresh, pass overwrite_output_dir instead (it replaces "
+            "them) or choose another output_dir"
         )
     return new_run_id(), None, tuple(run_entries(output_dir)) if overwrite else ()
 

@@ -11,9 +11,9 @@ from .rng import item_generator
 
 def _describe_source(dataset_name: str | None, train_data_dir: str | None) -> str:
     if train_data_dir is not None:
-        return f"--train_data_dir {train_data_dir!r}"
+        return f"train_data_dir {train_data_dir!r}"
     if dataset_name is not None:
-        return f"--dataset_name {dataset_name!r}"
+        return f"dataset_name {dataset_name!r}"
     return "the embedded Fashion-MNIST test split"
 
 
@@ -125,7 +125,7 @@ def load_captioned_dataset(
     ``datasets`` dataset (its configuration ``dataset_config_name``; ``cache_dir``: the datasets cache). Problems
     raise ``ValueError`` naming the option (no images, no captions, unreadable images, too small)."""
     if (dataset_name is None) == (train_data_dir is None):
-        raise ValueError("pass exactly one of --dataset_name or --train_data_dir (an imagefolder with metadata.jsonl)")
+        raise ValueError("pass exactly one of dataset_name or train_data_dir (an imagefolder with metadata.jsonl)")
     source = _describe_source(dataset_name, train_data_dir)
     try:
         if train_data_dir is not None:
@@ -136,7 +136,7 @@ def load_captioned_dataset(
             dataset = datasets.load_dataset(dataset_name, dataset_config_name, split=split, cache_dir=cache_dir)
     except Exception as error:  # datasets raises its own error types for folders without data files
         raise ValueError(f"{source} could not be loaded as an image dataset: {error}") from error
-    for option, column in (("--image_column", image_column), ("--caption_column", caption_column)):
+    for option, column in (("image_column", image_column), ("caption_column", caption_column)):
         if column not in dataset.column_names:
             raise ValueError(f"{option} {column!r} not found in {source}; it has columns {dataset.column_names}")
     if len(dataset) == 0:
