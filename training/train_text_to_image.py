@@ -26,11 +26,11 @@ from accelerate.utils import set_seed
 from diffusers import AutoencoderKL, StableDiffusionPipeline
 
 from diffusers_scalelong.data import ImageTransform
-from diffusers_scalelong.scalelong.coefficients import LSC_METHODS
 from diffusers_scalelong.sources import fetch_file
 from diffusers_scalelong.trainer import (
     CaptionedImages,
     DDPMRecipe,
+    PretrainedModelOptions,
     SampleGrid,
     Trainer,
     TrainingConfig,
@@ -55,7 +55,7 @@ REQUIRED_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TextToImageConfig(TrainingConfig):
+class TextToImageConfig(PretrainedModelOptions, TrainingConfig):
     """The options of this script: the shared ones of :class:`TrainingConfig`, then model, data and loss."""
 
     train_batch_size: int = option(
@@ -80,32 +80,6 @@ class TextToImageConfig(TrainingConfig):
 
     # ---------------------------------------------------------------------------------------- model
     pretrained_model_name_or_path: str = option(help="Stable-Diffusion-style pipeline folder or Hub repo", group=MODEL)
-    revision: str | None = option(
-        None,
-        help="branch, tag or commit of the pretrained Hub repo to load (passed to every from_pretrained)",
-        group=MODEL,
-        parameter="revision",
-    )
-    variant: str | None = option(
-        None,
-        help="weight-file variant of the pretrained model, e.g. fp16 for diffusion_pytorch_model.fp16.safetensors",
-        group=MODEL,
-        parameter="variant",
-    )
-    lsc: str = option(
-        "none",
-        help="long-skip-connection scaling method (ScaleLong)",
-        group=MODEL,
-        choices=LSC_METHODS,
-        parameter="lsc_method",
-    )
-    kappa: float = option(
-        0.5,
-        help="kappa of cs / cs_stage: skip i is scaled by kappa^(i-1)",
-        group=MODEL,
-        type=positive_float,
-        parameter="lsc_kappa",
-    )
 
     # ---------------------------------------------------------------------------------------- data
     dataset_name: str | None = option(None, help="a `datasets` name or local path with images and captions", group=DATA)

@@ -33,7 +33,6 @@ from diffusers import AutoencoderKL
 
 from diffusers_scalelong.data import ImageTransform
 from diffusers_scalelong.models.edm2_presets import get_edm2_preset
-from diffusers_scalelong.scalelong.coefficients import LSC_METHODS
 from diffusers_scalelong.trainer import (
     MODEL_TYPES,
     RECIPES,
@@ -43,6 +42,7 @@ from diffusers_scalelong.trainer import (
     EDM2Recipe,
     LatentCodec,
     PretrainedEDM2Parts,
+    PretrainedModelOptions,
     Trainer,
     TrainingConfig,
     TrainingImages,
@@ -93,7 +93,7 @@ RECIPE_DEFAULTS = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class UnconditionalConfig(TrainingConfig):
+class UnconditionalConfig(PretrainedModelOptions, TrainingConfig):
     """The options of this script: the shared ones of :class:`TrainingConfig`, then model, recipe and data."""
 
     train_batch_size: int = option(
@@ -114,18 +114,6 @@ class UnconditionalConfig(TrainingConfig):
         "ScaleLong UNet, the EDM2 UNet, the U-ViT); lsc / kappa still apply",
         group=MODEL,
     )
-    revision: str | None = option(
-        None,
-        help="branch, tag or commit of the pretrained Hub repo to load (passed to every from_pretrained)",
-        group=MODEL,
-        parameter="revision",
-    )
-    variant: str | None = option(
-        None,
-        help="weight-file variant of the pretrained model, e.g. fp16 for diffusion_pytorch_model.fp16.safetensors",
-        group=MODEL,
-        parameter="variant",
-    )
     block_out_channels: tuple[int, ...] = option(
         (32, 64, 64), help="unet2d: width of each level", group=MODEL, type=positive_int, nargs="+"
     )
@@ -140,7 +128,10 @@ class UnconditionalConfig(TrainingConfig):
     )
     norm_num_groups: int = option(16, help="unet2d: GroupNorm groups", group=MODEL, type=positive_int)
     dropout: float | None = option(
-        None, help="dropout in residual blocks (default: the model's)", group=MODEL, parameter="dropout"
+        None,
+        help="probability of dropping activations in residual blocks (default: the model's)",
+        group=MODEL,
+        parameter="dropout",
     )
     edm2_preset: str | None = option(
         None,
@@ -167,20 +158,6 @@ class UnconditionalConfig(TrainingConfig):
     uvit_num_heads: int = option(4, help="uvit: attention heads", group=MODEL, type=positive_int)
     uvit_embed_dim: int = option(128, help="uvit: token width", group=MODEL, type=positive_int)
     uvit_patch_size: int = option(2, help="uvit: patch size", group=MODEL, type=positive_int)
-    lsc: str = option(
-        "none",
-        help="long-skip-connection scaling method (ScaleLong)",
-        group=MODEL,
-        choices=LSC_METHODS,
-        parameter="lsc_method",
-    )
-    kappa: float = option(
-        0.5,
-        help="kappa of cs / cs_stage: skip i is scaled by kappa^(i-1)",
-        group=MODEL,
-        type=positive_float,
-        parameter="lsc_kappa",
-    )
 
     # ---------------------------------------------------------------------------------------- recipe
     recipe: str = option(

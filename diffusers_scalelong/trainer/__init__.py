@@ -23,7 +23,7 @@
 from ..models.pretrained import load_model_config, load_pretrained_unet
 from .checkpoint import Checkpoint, checkpoint_step
 from .cli import build_parser, flag_message, option, parse_config, script_main
-from .config import TrainingConfig
+from .config import PretrainedModelOptions, TrainingConfig
 from .frozen import FrozenModules, weight_dtype
 from .image_grid import SampleGrid, make_image_grid, save_image_atomic, save_image_grid
 from .latents import VAE_PIXEL_RANGES, CachedLatents, LatentCodec, cache_latent_moments
@@ -61,6 +61,7 @@ __all__ = [
     "LatentCodec",
     "MODEL_TYPES",
     "PretrainedEDM2Parts",
+    "PretrainedModelOptions",
     "RECIPES",
     "Recipe",
     "SampleGrid",

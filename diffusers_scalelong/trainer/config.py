@@ -17,6 +17,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
+from ..scalelong.coefficients import LSC_METHODS
 from .cli import option
 
 OUTPUT = "output and steps"
@@ -25,6 +26,7 @@ ACCELERATE = "Accelerate"
 CHECKPOINTS = "checkpoints and samples"
 EMA = "EMA"
 HUB = "Hugging Face Hub"
+MODEL = "model"
 
 
 def positive_int(text: str) -> int:
@@ -340,3 +342,36 @@ class TrainingConfig:
     def wants_grids(self) -> bool:
         """Whether sample grids are written at all."""
         return self.save_images_steps is not None or self.save_images_epochs is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PretrainedModelOptions:
+    """Options of the scripts that load a pretrained model: which revision and weight files, and the ScaleLong
+    long-skip scaling added to it (or to a network built from scratch)."""
+
+    revision: str | None = option(
+        None,
+        help="branch, tag or commit of the pretrained Hub repo to load (passed to every from_pretrained)",
+        group=MODEL,
+        parameter="revision",
+    )
+    variant: str | None = option(
+        None,
+        help="which weight files of the pretrained model to load, e.g. fp16 for diffusion_pytorch_model.fp16.safetensors",
+        group=MODEL,
+        parameter="variant",
+    )
+    lsc: str = option(
+        "none",
+        help="long-skip-connection scaling method (ScaleLong)",
+        group=MODEL,
+        choices=LSC_METHODS,
+        parameter="lsc_method",
+    )
+    kappa: float = option(
+        0.5,
+        help="kappa of cs / cs_stage: skip i is scaled by kappa^(i-1)",
+        group=MODEL,
+        type=positive_float,
+        parameter="lsc_kappa",
+    )
