@@ -133,7 +133,7 @@ def test_page_reports_bad_targets_in_one_message_and_writes_nothing(explorer, tm
 
 
 @pytest.mark.parametrize("case", ["empty", "two runs", "unreachable target", "unreachable hub", "not a source"])
-def test_command_line_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
+def test_command_line_bad_input_exits_2_with_one_line(case, tmp_path, capsys, request):
     folder = tmp_path / "snapshots"
     argv = [str(folder)]
     if case == "empty":
@@ -150,6 +150,7 @@ def test_command_line_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
         argv += ["--sigma_rel", "0.28"]
         expected = "out of reach"
     elif case == "unreachable hub":
+        request.getfixturevalue("hub_online")  # unreachable, not offline (offline CI machines export HF_HUB_OFFLINE)
         with socket.socket() as probe:  # a port nobody listens on
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]

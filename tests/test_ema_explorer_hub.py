@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+from huggingface_hub import constants
 
 from diffusers_scalelong.ema import reconstruct_ema
 from diffusers_scalelong.ema.explorer import Explorer, SnapshotSource
@@ -17,7 +18,10 @@ from tests._explorer_snapshots import write_snapshots
 @pytest.fixture(scope="module")
 def hub_repo(local_hub, tmp_path_factory):
     folder = write_snapshots(tmp_path_factory.mktemp("snapshots"))
-    push_snapshots(folder, "tester/explorer-snapshots", endpoint=local_hub.endpoint)
+    with pytest.MonkeyPatch.context() as patch:  # built before the tests' own hub_online: online here as hub_online is
+        patch.setenv("HF_HUB_OFFLINE", "0")
+        patch.setattr(constants, "HF_HUB_OFFLINE", False)
+        push_snapshots(folder, "tester/explorer-snapshots", endpoint=local_hub.endpoint)
     return "tester/explorer-snapshots", folder
 
 
