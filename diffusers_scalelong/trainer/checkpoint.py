@@ -157,8 +157,14 @@ class Checkpoint:
         """``training_state.json``, cross-checked against the folder name.
 
         Returns ``{"global_step", "num_processes", "distributed_type", "run_id", "files"}``; ``run_id`` and
-        ``files`` are ``None`` in records written before they existed, ``distributed_type`` is then ``ddp``.
+        ``files`` are ``None`` in records written before they existed, ``distributed_type`` is then ``ddp``. The file
+        is read once per ``Checkpoint`` (a resume asks several times: run identity, verification, the trainer).
         """
+        if "_state" not in self.__dict__:
+            object.__setattr__(self, "_state", self._read_state())
+        return dict(self.__dict__["_state"])
+
+    def _read_state(self) -> dict:
         path = self.path / STATE_FILE
         try:
             state = json.loads(path.read_text())
