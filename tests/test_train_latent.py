@@ -107,3 +107,15 @@ def test_latent_option_errors_name_the_option(imported, tmp_path):
     for message, argv in failing.items():
         with pytest.raises(ValueError, match=message):
             script.build_job(script.UnconditionalConfig.from_command_line([str(a) for a in argv]))
+
+
+def test_a_run_refused_at_set_up_writes_no_latent_cache(imported, tmp_path, capsys):
+    """The latent cache is filled only once the run holds its output folder: a run refused while it is set up (here
+    4 images cannot fill one step of a batch of 8) leaves no folder behind, though its latents would be cached."""
+    data = write_image_folder(tmp_path / "images", count=4, size=PIXELS)
+    output = tmp_path / "run"
+    argv = ["--output_dir", output, "--pretrained_model_name_or_path", imported, "--train_data_dir", data, *RUN]
+    with pytest.raises(SystemExit) as stop:
+        load_script_module(TRAIN_UNCONDITIONAL).main([str(a) for a in [*argv, "--train_batch_size", 8]])
+    assert stop.value.code == 2 and "give no full optimiser step" in capsys.readouterr().err
+    assert not output.exists()

@@ -51,7 +51,6 @@ from diffusers_scalelong.trainer import (
     build_from_config,
     build_unet2d,
     build_uvit,
-    cache_latent_moments,
     infer_channels,
     load_pretrained,
     load_pretrained_edm2_parts,
@@ -412,12 +411,13 @@ def training_data(config: UnconditionalConfig, dataset, codec: LatentCodec | Non
         return images, lambda batch: codec.sample(codec.moments(batch["pixel_values"]))
     key = dict(dataset=dataset._fingerprint, rows=len(dataset), resolution=config.resolution, channels=channels)
     cache_dir = config.latent_cache_dir or f"{config.output_dir}/latents"
-    cache = cache_latent_moments(images, codec, cache_dir, key)
-    return CachedLatents(cache, config.class_conditional), lambda batch: codec.sample(batch["latent_moments"])
+    latents = CachedLatents(images, codec, cache_dir, key, config.class_conditional)  # filled by the trainer
+    return latents, lambda batch: codec.sample(batch["latent_moments"])
 
 
 def build_job(config: UnconditionalConfig) -> TrainingJob:
-    """Recipe, data and network, in the order that fails fastest; nothing is written (but the latent cache)."""
+    """Recipe, data and network, in the order that fails fastest; nothing is written (a latent cache is filled by the
+    trainer once it holds the output folder)."""
     parts = PretrainedEDM2Parts()
     if config.pretrained_model_name_or_path and config.recipe == "edm2":
         parts = load_pretrained(
@@ -464,6 +464,7 @@ def build_job(config: UnconditionalConfig) -> TrainingJob:
         tracker_name="train_unconditional",
         base_model=config.pretrained_model_name_or_path,
         dataset_name=config.dataset_name,
+        prepare_data=data.prepare if isinstance(data, CachedLatents) else None,
     )
 
 

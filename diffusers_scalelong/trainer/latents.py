@@ -98,19 +98,43 @@ def cache_latent_moments(
 
 
 class CachedLatents(torch.utils.data.Dataset):
-    """Items ``{"latent_moments": [2C, h, w]}`` (plus ``"class_labels"``) from a :func:`cache_latent_moments` file."""
+    """Items ``{"latent_moments": [2C, h, w]}`` (plus ``"class_labels"``) from a :func:`cache_latent_moments` file.
 
-    def __init__(self, path: str | os.PathLike, with_labels: bool = False):
+    The file is computed (or found) by :meth:`prepare`, which the trainer calls once it holds the output folder:
+    until then nothing is written, and the dataset already knows its length (that of ``images``).
+    """
+
+    def __init__(
+        self,
+        images: torch.utils.data.Dataset,
+        codec: LatentCodec,
+        cache_dir: str | os.PathLike,
+        key_fields: dict[str, Any],
+        with_labels: bool = False,
+    ):
+        self._source = (images, codec, cache_dir, key_fields)
+        self._length = len(images)
+        self.with_labels = with_labels
+        self.moments = self.labels = None
+
+    def prepare(self) -> Path:
+        """Compute the cache file if it is missing, then load it; returns its path."""
+        path = cache_latent_moments(*self._source)
         tensors = load_file(str(path))
+        if len(tensors["moments"]) != self._length:
+            raise ValueError(f"{path} holds {len(tensors['moments'])} items, the dataset {self._length}")
         self.moments = tensors["moments"]
-        self.labels = tensors.get("class_labels") if with_labels else None
-        if with_labels and self.labels is None:
+        self.labels = tensors.get("class_labels") if self.with_labels else None
+        if self.with_labels and self.labels is None:
             raise ValueError(f"{path} holds no class labels: it was cached without class_conditional")
+        return path
 
     def __len__(self) -> int:
-        return len(self.moments)
+        return self._length
 
     def __getitem__(self, index: int) -> dict:
+        if self.moments is None:
+            raise RuntimeError("CachedLatents.prepare() has not run: the trainer calls it once it holds the folder")
         item = {"latent_moments": self.moments[int(index)]}
         if self.labels is not None:
             item["class_labels"] = self.labels[int(index)]

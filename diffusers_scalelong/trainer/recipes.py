@@ -107,6 +107,7 @@ class Recipe:
         tracker_name: str = "train",
         base_model: str | None = None,
         dataset_name: str | None = None,
+        prepare_data: Callable[[], object] | None = None,
     ) -> TrainingJob:
         """The :class:`TrainingJob` of ``unet`` on ``dataset``, whose batches give the images (or latents) through
         ``model_input`` and their class labels as ``class_labels``."""
@@ -125,6 +126,7 @@ class Recipe:
             save_extras=self.save_extras,
             base_model=base_model,
             dataset_name=dataset_name,
+            prepare_data=prepare_data,
         )
 
     def save_extras(self, folder: Path, unet: torch.nn.Module, module: torch.nn.Module) -> None:

@@ -68,6 +68,8 @@ class TrainingJob:
             ``unet`` (e.g. EDM2's preconditioner files), given the whole trained ``module``; or None.
         base_model, dataset_name: where the weights and the data came from (named on a pushed model's card when
             they are Hub repos).
+        prepare_data: work on the data that writes files (e.g. a cache of VAE latents), run by every process once
+            the main process holds the output folder; or None.
     """
 
     module: torch.nn.Module
@@ -84,6 +86,7 @@ class TrainingJob:
     save_extras: Callable | None = None
     base_model: str | None = None
     dataset_name: str | None = None
+    prepare_data: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,12 @@ class Trainer:
             clean_interrupted_writes(self.output_dir)
             self.run.set_aside()
         accelerator.wait_for_everyone()
+        if self.job.prepare_data is not None:
+            if accelerator.is_main_process:
+                self.job.prepare_data()  # the main process writes what is shared (a latent cache) ...
+            accelerator.wait_for_everyone()
+            if not accelerator.is_main_process:
+                self.job.prepare_data()  # ... the others find it
         if accelerator.is_main_process and config.report_to != "none":
             name = config.tracker_project_name or self.job.tracker_name
             accelerator.init_trackers(name, config={k: str(v) for k, v in vars(config).items() if k != "hub_token"})
