@@ -29,6 +29,7 @@ from diffusers_scalelong.data import ImageTransform
 from diffusers_scalelong.sources import fetch_file
 from diffusers_scalelong.trainer import (
     CaptionedImages,
+    DDPMLossOptions,
     DDPMRecipe,
     PretrainedModelOptions,
     SampleGrid,
@@ -55,7 +56,7 @@ REQUIRED_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TextToImageConfig(PretrainedModelOptions, TrainingConfig):
+class TextToImageConfig(DDPMLossOptions, PretrainedModelOptions, TrainingConfig):
     """The options of this script: the shared ones of :class:`TrainingConfig`, then model, data and loss."""
 
     train_batch_size: int = option(
@@ -123,18 +124,6 @@ class TextToImageConfig(PretrainedModelOptions, TrainingConfig):
         0.0,
         help="perturb the noise of the noisy input by input_perturbation * N(0, 1), the target stays the noise "
         "(Ning et al. 2023, as diffusers' script)",
-        group=LOSS,
-        type=non_negative_float,
-    )
-    snr_gamma: float | None = option(
-        None,
-        help="Min-SNR loss weighting min(SNR, gamma) / SNR (v: / (SNR + 1)); 5.0 is the paper's choice",
-        group=LOSS,
-        type=positive_float,
-    )
-    noise_offset: float = option(
-        0.0,
-        help="add noise_offset * N(0, 1) per image and channel to the noise (shifts its mean)",
         group=LOSS,
         type=non_negative_float,
     )

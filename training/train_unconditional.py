@@ -38,6 +38,7 @@ from diffusers_scalelong.trainer import (
     RECIPES,
     VAE_PIXEL_RANGES,
     CachedLatents,
+    DDPMLossOptions,
     DDPMRecipe,
     EDM2Recipe,
     LatentCodec,
@@ -61,7 +62,7 @@ from diffusers_scalelong.trainer import (
     option,
     script_main,
 )
-from diffusers_scalelong.trainer.config import non_negative_float, positive_float, positive_int
+from diffusers_scalelong.trainer.config import positive_int
 
 MODEL, RECIPE, DATA, LATENT = "model", "recipe", "data", "latent training (edm2 recipe)"
 EDM2_PRESET_DATASET = "img64"  # the presets' pixel-space recipe (these scripts train on pixels)
@@ -92,7 +93,7 @@ RECIPE_DEFAULTS = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class UnconditionalConfig(PretrainedModelOptions, TrainingConfig):
+class UnconditionalConfig(DDPMLossOptions, PretrainedModelOptions, TrainingConfig):
     """The options of this script: the shared ones of :class:`TrainingConfig`, then model, recipe and data."""
 
     train_batch_size: int = option(
@@ -175,18 +176,6 @@ class UnconditionalConfig(PretrainedModelOptions, TrainingConfig):
         help="ddpm: network target (the noise, v, or the clean image)",
         group=RECIPE,
         choices=("epsilon", "v_prediction", "sample"),
-    )
-    snr_gamma: float | None = option(
-        None,
-        help="ddpm: Min-SNR loss weighting min(SNR, gamma) / SNR (v: / (SNR + 1)); 5.0 is the paper's choice",
-        group=RECIPE,
-        type=positive_float,
-    )
-    noise_offset: float = option(
-        0.0,
-        help="ddpm: add noise_offset * N(0, 1) per image and channel to the noise (shifts its mean)",
-        group=RECIPE,
-        type=non_negative_float,
     )
     P_mean: float | None = option(
         None, help="edm2: mean of ln(sigma) during training (default: -0.8 or the preset's)", group=RECIPE

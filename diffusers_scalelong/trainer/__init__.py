@@ -23,7 +23,7 @@
 from ..models.pretrained import load_model_config, load_pretrained_unet
 from .checkpoint import Checkpoint, checkpoint_step
 from .cli import build_parser, flag_message, option, parse_config, script_main
-from .config import PretrainedModelOptions, TrainingConfig
+from .config import DDPMLossOptions, PretrainedModelOptions, TrainingConfig
 from .frozen import FrozenModules, weight_dtype
 from .image_grid import SampleGrid, make_image_grid, save_image_atomic, save_image_grid
 from .latents import VAE_PIXEL_RANGES, CachedLatents, LatentCodec, cache_latent_moments
@@ -55,6 +55,7 @@ __all__ = [
     "CachedLatents",
     "CaptionedImages",
     "Checkpoint",
+    "DDPMLossOptions",
     "DDPMRecipe",
     "EDM2Recipe",
     "FrozenModules",

@@ -375,3 +375,21 @@ class PretrainedModelOptions:
         type=positive_float,
         parameter="lsc_kappa",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPMLossOptions:
+    """The loss options of diffusers' example scripts, for the DDPM recipe (``DDPMRecipe`` checks their values)."""
+
+    snr_gamma: float | None = option(
+        None,
+        help="ddpm: Min-SNR loss weighting min(SNR, gamma) / SNR (v: / (SNR + 1)); 5.0 is the paper's choice",
+        group="DDPM loss",
+        type=positive_float,
+    )
+    noise_offset: float = option(
+        0.0,
+        help="ddpm: add noise_offset * N(0, 1) per image and channel to the noise (shifts its mean)",
+        group="DDPM loss",
+        type=non_negative_float,
+    )
