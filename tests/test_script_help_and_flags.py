@@ -77,3 +77,22 @@ def test_prediction_type_and_input_perturbation_reach_the_loss(tmp_path):
     config = script.UnconditionalConfig.from_command_line(["--output_dir", "x", "--prediction_type", "sample"])
     recipe = script.build_recipe(config, script.PretrainedEDM2Parts(), None)
     assert recipe.noise_scheduler.config.prediction_type == "sample"
+
+
+def test_parameter_names_become_flags_and_nothing_else_does():
+    """What script_main prints for a library error: parameter names as flags (the option's own name, or the library's
+    name an option declares), never inside a path, a longer name, an existing flag or an everyday word."""
+    from diffusers_scalelong.trainer import flag_message
+
+    config = load_script_module(TRAIN_UNCONDITIONAL).UnconditionalConfig
+    assert flag_message("P_std must lie in (0, 6.9], got -1.0", config) == "--P_std must lie in (0, 6.9], got -1.0"
+    assert flag_message("lsc_method 'cs' needs lsc_kappa > 0", config) == "--lsc 'cs' needs --kappa > 0"
+    assert flag_message("sigma_rels must be distinct", config) == "--ema_sigma_rels must be distinct"
+    unchanged = [
+        "/runs/output_dir/model_index.json is missing",  # inside a path
+        "--output_dir is not writable",  # already a flag
+        "the model and its seed",  # one-word fields that are everyday words
+        "max_train_steps_total is unknown",  # a longer identifier
+    ]
+    for message in unchanged:
+        assert flag_message(message, config) == message
