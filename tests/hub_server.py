@@ -441,7 +441,10 @@ def serve(root: Path, port: int = 0) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, port))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+    # Idle keep-alive connections stay open far longer than uvicorn's 5 s: a client that reuses a pooled connection
+    # just as the server closes it gets "connection reset" (seen once on a loaded 2-core machine); real Hubs keep
+    # connections open for minutes.
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=300)
     server = uvicorn.Server(config)
     print(f"http://{HOST}:{sock.getsockname()[1]}", flush=True)
     server.run(sockets=[sock])
