@@ -39,6 +39,7 @@ __all__ = [
     "apply_lsc",
     "edm2",
     "ema",
+    "hub",
     "inverse_sqrt_lr_lambda",
     "layers",
     "list_snapshots",

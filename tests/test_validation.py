@@ -17,7 +17,12 @@ from diffusers_scalelong import (
 from diffusers_scalelong.validation import check_number
 
 TINY = dict(
-    sample_size=8, in_channels=1, model_channels=8, channel_mult=(1,), layers_per_block=1, attention_resolutions=(),
+    sample_size=8,
+    in_channels=1,
+    model_channels=8,
+    channel_mult=(1,),
+    layers_per_block=1,
+    attention_resolutions=(),
     channels_per_head=8,
 )
 
