@@ -17,7 +17,6 @@ Example::
 """
 
 import json
-import sys
 from dataclasses import dataclass
 
 import diffusers
@@ -40,6 +39,7 @@ from diffusers_scalelong.trainer import (
     load_pretrained,
     load_pretrained_unet,
     option,
+    run_and_exit,
     sample_rows,
     script_main,
 )
@@ -286,4 +286,4 @@ def train(config: TextToImageConfig):
 main = script_main(TextToImageConfig, train, __doc__.split("\n\n")[0])
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

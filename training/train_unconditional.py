@@ -24,7 +24,6 @@ Example (the embedded Fashion-MNIST, EDM2 recipe with ScaleLong and post-hoc EMA
 """
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +59,7 @@ from diffusers_scalelong.trainer import (
     make_noise_scheduler,
     num_classes,
     option,
+    run_and_exit,
     script_main,
 )
 from diffusers_scalelong.trainer.config import positive_int
@@ -470,4 +470,4 @@ def train(config: UnconditionalConfig):
 main = script_main(UnconditionalConfig, train, __doc__.split("\n\n")[0])
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

@@ -22,7 +22,7 @@
 
 from ..models.pretrained import load_model_config, load_pretrained_unet
 from .checkpoint import Checkpoint, checkpoint_step
-from .cli import build_parser, flag_message, option, parse_config, script_main
+from .cli import build_parser, flag_message, option, parse_config, run_and_exit, script_main
 from .config import DDPMLossOptions, PretrainedModelOptions, TrainingConfig
 from .frozen import FrozenModules, weight_dtype
 from .image_grid import SampleGrid, make_image_grid, save_image_atomic, save_image_grid
@@ -98,6 +98,7 @@ __all__ = [
     "option",
     "parse_config",
     "push_run_to_hub",
+    "run_and_exit",
     "sample_rows",
     "save_image_atomic",
     "save_image_grid",

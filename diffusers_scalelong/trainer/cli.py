@@ -17,14 +17,16 @@ user reads flags, so :func:`script_main` rewrites the parameter names of a confi
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import logging
+import os
 import re
 import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from tqdm.auto import tqdm
 
@@ -199,3 +201,27 @@ def script_main(
         return 0
 
     return main
+
+
+def run_and_exit(main: Callable[[], int]) -> NoReturn:
+    """Run a training script's ``main()`` and end the process with its exit status.
+
+    A process started by ``accelerate launch`` or ``torchrun`` (``WORLD_SIZE`` > 1) runs Python's exit functions
+    (trackers and log handlers flush there), then ends without tearing the interpreter down: torch keeps the gloo
+    process group FSDP2 used alive after ``destroy_process_group``, and its worker threads, meeting the interpreter's
+    teardown, abort a process that has written everything ("terminate called without an active exception"; 5 of 60
+    two-process runs of a 3-step FSDP2 script on a busy 2-core machine, none of 60 ending this way).
+    """
+    try:
+        code = main()
+    except SystemExit as exit_request:  # argparse's exits: --help, refused options
+        code = exit_request.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message") prints it and exits with 1
+        print(code, file=sys.stderr)
+        code = 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what a normal exit runs before the teardown (CPython's own, underscored, entry)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

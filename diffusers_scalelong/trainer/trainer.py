@@ -530,9 +530,6 @@ class Trainer:
                 dataset=self.job.dataset_name,
             )
             self._say(f"pushed to {url}")
-        # every process leaves together: one that tears its process group down while another still writes the
-        # pipeline was seen to abort in gloo's teardown ("terminate called without an active exception")
-        accelerator.wait_for_everyone()
         accelerator.end_training()
         return self.output_dir
 
