@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from diffusers_scalelong.ema import PowerFunctionEMA
 from diffusers_scalelong.models import EDM2UNet2DModel
+from diffusers_scalelong.trainer.cli import run_and_exit
 from diffusers_scalelong.trainer.sharding import fully_shard_model
 
 STEPS, GLOBAL_BATCH, SIGMA_RELS = 3, 4, (0.05, 0.10)
@@ -202,4 +203,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)  # FSDP2 leaves a gloo process group whose threads can abort the interpreter's teardown

@@ -203,7 +203,7 @@ def script_main(
     return main
 
 
-def run_and_exit(main: Callable[[], int]) -> NoReturn:
+def run_and_exit(main: Callable[[], int | None]) -> NoReturn:
     """Run a training script's ``main()`` and end the process with its exit status.
 
     A process started by ``accelerate launch`` or ``torchrun`` (``WORLD_SIZE`` > 1) runs Python's exit functions
