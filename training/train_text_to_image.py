@@ -17,7 +17,9 @@ Example::
 """
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import diffusers
 import torch
@@ -285,5 +287,11 @@ def train(config: TextToImageConfig):
 
 main = script_main(TextToImageConfig, train, __doc__.split("\n\n")[0])
 
+
+def console_main(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``scalelong-train-text-to-image`` command: ``main(argv)``, its process ended as :func:`run_and_exit` ends a launched one."""
+    run_and_exit(lambda: main(argv))
+
+
 if __name__ == "__main__":
-    run_and_exit(main)
+    console_main()

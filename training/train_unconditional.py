@@ -24,7 +24,9 @@ Example (the embedded Fashion-MNIST, EDM2 recipe with ScaleLong and post-hoc EMA
 """
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 from accelerate.utils import set_seed
@@ -469,5 +471,11 @@ def train(config: UnconditionalConfig):
 
 main = script_main(UnconditionalConfig, train, __doc__.split("\n\n")[0])
 
+
+def console_main(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``scalelong-train`` command: ``main(argv)``, its process ended as :func:`run_and_exit` ends a launched one."""
+    run_and_exit(lambda: main(argv))
+
+
 if __name__ == "__main__":
-    run_and_exit(main)
+    console_main()
