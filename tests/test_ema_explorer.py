@@ -23,7 +23,7 @@ from diffusers_scalelong.ema.reconstruct import read_reconstruction_record
 from diffusers_scalelong.models import EDM2UNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline
 from diffusers_scalelong.schedulers import EDMHeunScheduler
-from tests._explorer_snapshots import SIGMA_RELS, TIMES, TINY_EDM2, write_snapshots
+from tests._snapshot_runs import SIGMA_RELS, TIMES, TINY_EDM2, write_snapshots
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from diffusers_scalelong.ema.explorer import launch
 from diffusers_scalelong.models import EDM2UNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline
 from diffusers_scalelong.schedulers import EDMHeunScheduler
-from tests._explorer_snapshots import TIMES, TINY_EDM2, write_snapshots
+from tests._snapshot_runs import TIMES, TINY_EDM2, write_snapshots
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

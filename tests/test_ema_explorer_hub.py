@@ -12,7 +12,7 @@ from diffusers_scalelong.ema import reconstruct_ema
 from diffusers_scalelong.ema.explorer import Explorer, SnapshotSource
 from diffusers_scalelong.ema.explorer.cli import main as explorer_main
 from diffusers_scalelong.ema.hub_transfer import push_snapshots
-from tests._explorer_snapshots import write_snapshots
+from tests._snapshot_runs import write_snapshots
 
 
 @pytest.fixture(scope="module")

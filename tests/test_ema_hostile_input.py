@@ -39,25 +39,16 @@ from diffusers_scalelong.ema.cli import main as cli_main
 from diffusers_scalelong.ema.plot import profile_values
 from diffusers_scalelong.ema.snapshots import header_sha256
 from diffusers_scalelong.integrity import IntegrityError
+from tests._snapshot_runs import random_walk_snapshots
 from tests._tiny_models import TINY_EDM2_UNET, TINY_UNET
 
-SIGMA_RELS = (0.05, 0.10)
 # The tiny UNet's config blown up: 0.66 G parameters (2.6 GB in float32) from 1 MB of snapshots.
 HUGE_CONFIG = {"block_out_channels": [1024, 2048], "norm_num_groups": 32}
 
 
 def _train(model: nn.Module, folder: Path, times: range) -> Path:
     """Snapshots of both profiles of ``model`` following a random walk, at every time in ``times``."""
-    ema = PowerFunctionEMA(model, sigma_rels=SIGMA_RELS)
-    generator = torch.Generator().manual_seed(0)
-    for step in range(1, times[-1] + 1):
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
-        ema.update(model, step)
-        if step in times:
-            ema.save_snapshots(folder, step, is_main_process=True)
-    return folder
+    return random_walk_snapshots(model, folder, times, step_size=0.01, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from diffusers_scalelong.metrics import compute_fd_kid, frechet_distance, gaussi
 from diffusers_scalelong.models import EDM2UNet2DModel
 from diffusers_scalelong.pipelines import EDM2Pipeline
 from diffusers_scalelong.schedulers import EDMHeunScheduler
-from tests._explorer_snapshots import TINY_EDM2, write_snapshots
+from tests._snapshot_runs import TINY_EDM2, write_snapshots
 
 SETTINGS = dict(num_samples=12, num_inference_steps=2, seed=3, bootstrap=5)
 

@@ -15,10 +15,8 @@ from huggingface_hub.errors import RepositoryNotFoundError
 
 from diffusers_scalelong.ema import PowerFunctionEMA, list_snapshots, reconstruct_ema, save_reconstructed_models
 from diffusers_scalelong.ema import hub_transfer as hub
+from tests._snapshot_runs import SIGMA_RELS, TIMES, random_walk_snapshots
 from tests._tiny_models import TINY_UNET
-
-SIGMA_RELS = (0.05, 0.10)
-TIMES = (10, 20, 30, 40)
 
 
 def _tiny_unet() -> UNet2DModel:
@@ -28,18 +26,7 @@ def _tiny_unet() -> UNet2DModel:
 @pytest.fixture(scope="module")
 def snapshot_folder(tmp_path_factory):
     """8 snapshots (sigma_rel 0.05 and 0.10 at times 10..40) of a tiny UNet following a random-walk trajectory."""
-    folder = tmp_path_factory.mktemp("phema")
-    generator = torch.Generator().manual_seed(1)
-    unet = _tiny_unet()
-    ema = PowerFunctionEMA(unet, sigma_rels=SIGMA_RELS)
-    for step in range(1, TIMES[-1] + 1):
-        with torch.no_grad():
-            for parameter in unet.parameters():
-                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-        ema.update(unet, step)
-        if step in TIMES:
-            ema.save_snapshots(str(folder))
-    return folder
+    return random_walk_snapshots(_tiny_unet(), tmp_path_factory.mktemp("phema"), TIMES)
 
 
 def _sha256(path) -> str:
